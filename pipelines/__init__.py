@@ -1,0 +1,1 @@
+"""Text-to-image, img2img, refiner and InstructPix2Pix pipelines over the sdx models."""

@@ -1,0 +1,280 @@
+"""Building blocks shared by the UNet, the VAE and the text encoders.
+
+Attribute names follow diffusers' key paths (`to_q`, `to_out.0`, `ff.net.2`, `conv_shortcut`), so a
+parameter path in sdx is the diffusers key with `weight` renamed to `kernel`/`scale`/`embedding`.
+Tensors are NHWC. Norms and softmax run in float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sdx.attention import Backend, dot_product_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """How a model runs, as opposed to what it is (the architecture config).
+
+    dtype: activations and matmuls; param_dtype: the stored weights; attention: the backend of
+    `sdx.attention.dot_product_attention`; attention_chunk: query chunk for the `chunked` backend;
+    remat: rematerialise (recompute in the backward pass) each UNet block, for training.
+    """
+
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+    attention: Backend = "xla"
+    attention_chunk: int = 1024
+    remat: bool = False
+
+
+F32 = Compute()
+
+
+def linear(cp: Compute, din: int, dout: int, *, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=cp.dtype, param_dtype=cp.param_dtype, rngs=rngs)
+
+
+def conv(cp: Compute, cin: int, cout: int, kernel: int, *, rngs: nnx.Rngs, stride: int = 1, padding=None) -> nnx.Conv:
+    """A torch-style Conv2d: symmetric padding kernel//2 unless given explicitly."""
+    if padding is None:
+        padding = ((kernel // 2, kernel // 2),) * 2
+    return nnx.Conv(
+        cin, cout, (kernel, kernel), strides=stride, padding=padding,
+        dtype=cp.dtype, param_dtype=cp.param_dtype, rngs=rngs,
+    )
+
+
+class GroupNorm(nnx.GroupNorm):
+    """torch.nn.GroupNorm over NHWC (or (B, T, C)): exact two-pass variance in float32."""
+
+    def __init__(self, cp: Compute, channels: int, groups: int, eps: float, *, rngs: nnx.Rngs):
+        super().__init__(
+            channels, num_groups=groups, epsilon=eps, dtype=jnp.float32,
+            param_dtype=cp.param_dtype, use_fast_variance=False, rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return super().__call__(x.astype(jnp.float32)).astype(x.dtype)
+
+
+class LayerNorm(nnx.LayerNorm):
+    """torch.nn.LayerNorm over the last axis, computed in float32."""
+
+    def __init__(self, cp: Compute, dim: int, eps: float, *, rngs: nnx.Rngs):
+        super().__init__(
+            dim, epsilon=eps, dtype=jnp.float32, param_dtype=cp.param_dtype,
+            use_fast_variance=False, rngs=rngs,
+        )
+
+    def __call__(self, x):
+        return super().__call__(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def timestep_embedding(
+    t: jax.Array, dim: int, *, flip_sin_to_cos: bool, freq_shift: float, max_period: float = 10000.0
+) -> jax.Array:
+    """Sinusoidal embedding (DDPM/transformer style) of t: (B,) -> (B, dim), in float32.
+
+    Frequencies exp(-ln(max_period) * i / (dim/2 - freq_shift)); `flip_sin_to_cos` puts cos first.
+    """
+    half = dim // 2
+    exponent = -math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / (half - freq_shift)
+    args = t.astype(jnp.float32)[:, None] * jnp.exp(exponent)[None, :]  # (B, half)
+    sin, cos = jnp.sin(args), jnp.cos(args)
+    emb = jnp.concatenate([cos, sin] if flip_sin_to_cos else [sin, cos], axis=-1)
+    if dim % 2:
+        emb = jnp.pad(emb, ((0, 0), (0, 1)))
+    return emb
+
+
+class TimestepEmbedding(nnx.Module):
+    """linear_1 -> SiLU -> linear_2 (diffusers TimestepEmbedding)."""
+
+    def __init__(self, cp: Compute, din: int, dim: int, *, rngs: nnx.Rngs):
+        self.linear_1 = linear(cp, din, dim, rngs=rngs)
+        self.linear_2 = linear(cp, dim, dim, rngs=rngs)
+
+    def __call__(self, x):
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class ResnetBlock2D(nnx.Module):
+    """GroupNorm-SiLU-conv twice, timestep added between, 1x1 `conv_shortcut` when channels change.
+
+    temb_channels=None for the VAE (no time embedding). out = (x + h) / output_scale_factor.
+    """
+
+    def __init__(
+        self, cp: Compute, cin: int, cout: int, *, temb_channels: int | None, groups: int, eps: float,
+        output_scale_factor: float = 1.0, rngs: nnx.Rngs,
+    ):
+        self.output_scale_factor = output_scale_factor
+        self.norm1 = GroupNorm(cp, cin, groups, eps, rngs=rngs)
+        self.conv1 = conv(cp, cin, cout, 3, rngs=rngs)
+        self.time_emb_proj = linear(cp, temb_channels, cout, rngs=rngs) if temb_channels else None
+        self.norm2 = GroupNorm(cp, cout, groups, eps, rngs=rngs)
+        self.conv2 = conv(cp, cout, cout, 3, rngs=rngs)
+        self.conv_shortcut = conv(cp, cin, cout, 1, rngs=rngs) if cin != cout else None
+
+    def __call__(self, x, temb=None):
+        h = self.conv1(jax.nn.silu(self.norm1(x)))
+        if self.time_emb_proj is not None:
+            h = h + self.time_emb_proj(jax.nn.silu(temb))[:, None, None, :]
+        h = self.conv2(jax.nn.silu(self.norm2(h)))
+        if self.conv_shortcut is not None:
+            x = self.conv_shortcut(x)
+        out = x + h
+        return out / self.output_scale_factor if self.output_scale_factor != 1.0 else out
+
+
+class Downsample2D(nnx.Module):
+    """3x3 stride-2 conv. padding=1 in the UNet; the VAE encoder pads (0,1,0,1) and uses padding=0."""
+
+    def __init__(self, cp: Compute, channels: int, *, padding: int = 1, rngs: nnx.Rngs):
+        pad = ((1, 1), (1, 1)) if padding == 1 else ((0, 1), (0, 1))
+        self.conv = conv(cp, channels, channels, 3, stride=2, padding=pad, rngs=rngs)
+
+    def __call__(self, x):
+        return self.conv(x)
+
+
+class Upsample2D(nnx.Module):
+    """Nearest-neighbour 2x then a 3x3 conv."""
+
+    def __init__(self, cp: Compute, channels: int, *, rngs: nnx.Rngs):
+        self.conv = conv(cp, channels, channels, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # (B, 2H, 2W, C)
+        return self.conv(x)
+
+
+class Attention(nnx.Module):
+    """diffusers' Attention: to_q/to_k/to_v, split heads, attention, to_out.0.
+
+    `groups` adds the VAE's `group_norm` on the input; `residual` adds the input back and divides by
+    `rescale_output_factor`. x: (B, T, C) or (B, H, W, C); context: (B, S, Cc) for cross-attention.
+    """
+
+    def __init__(
+        self, cp: Compute, query_dim: int, *, heads: int, head_dim: int, context_dim: int | None = None,
+        qkv_bias: bool = False, groups: int | None = None, eps: float = 1e-6, residual: bool = False,
+        rescale_output_factor: float = 1.0, rngs: nnx.Rngs,
+    ):
+        inner = heads * head_dim
+        kv_dim = context_dim or query_dim
+        self.backend, self.chunk = cp.attention, cp.attention_chunk
+        self.heads, self.head_dim = heads, head_dim
+        self.residual, self.rescale_output_factor = residual, rescale_output_factor
+        self.group_norm = GroupNorm(cp, query_dim, groups, eps, rngs=rngs) if groups else None
+        self.to_q = linear(cp, query_dim, inner, bias=qkv_bias, rngs=rngs)
+        self.to_k = linear(cp, kv_dim, inner, bias=qkv_bias, rngs=rngs)
+        self.to_v = linear(cp, kv_dim, inner, bias=qkv_bias, rngs=rngs)
+        self.to_out = nnx.List([linear(cp, inner, query_dim, rngs=rngs)])
+
+    def __call__(self, x, context=None):
+        shape = x.shape
+        h = x.reshape(shape[0], -1, shape[-1])  # (B, T, C)
+        if self.group_norm is not None:
+            h = self.group_norm(h)
+        ctx = h if context is None else context
+        split = lambda a: a.reshape(a.shape[0], a.shape[1], self.heads, self.head_dim)  # (B, T, H, D)
+        o = dot_product_attention(
+            split(self.to_q(h)), split(self.to_k(ctx)), split(self.to_v(ctx)),
+            backend=self.backend, chunk_size=self.chunk,
+        )
+        o = self.to_out[0](o.reshape(o.shape[0], o.shape[1], -1)).reshape(shape)  # (B, T, H*D) -> input shape
+        if self.residual:
+            o = (o + x) / self.rescale_output_factor
+        return o
+
+
+class GEGLU(nnx.Module):
+    """proj to 2x width, split, value * gelu(gate) (exact erf gelu, as torch's F.gelu)."""
+
+    def __init__(self, cp: Compute, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.proj = linear(cp, din, 2 * dout, rngs=rngs)
+
+    def __call__(self, x):
+        value, gate = jnp.split(self.proj(x), 2, axis=-1)
+        return value * jax.nn.gelu(gate, approximate=False)
+
+
+class FeedForward(nnx.Module):
+    """net.0 = GEGLU, net.1 = dropout, net.2 = output Linear (diffusers' indices kept)."""
+
+    def __init__(self, cp: Compute, dim: int, *, mult: int = 4, dropout: float = 0.0, rngs: nnx.Rngs):
+        inner = dim * mult
+        self.net = nnx.List([GEGLU(cp, dim, inner, rngs=rngs), nnx.Dropout(dropout), linear(cp, inner, dim, rngs=rngs)])
+
+    def __call__(self, x):
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class BasicTransformerBlock(nnx.Module):
+    """Pre-norm self-attention, cross-attention and GEGLU feed-forward, each residual."""
+
+    def __init__(
+        self, cp: Compute, dim: int, *, heads: int, head_dim: int, context_dim: int, only_cross_attention: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        self.only_cross_attention = only_cross_attention
+        self.norm1 = LayerNorm(cp, dim, 1e-5, rngs=rngs)
+        self.attn1 = Attention(
+            cp, dim, heads=heads, head_dim=head_dim, context_dim=context_dim if only_cross_attention else None, rngs=rngs
+        )
+        self.norm2 = LayerNorm(cp, dim, 1e-5, rngs=rngs)
+        self.attn2 = Attention(cp, dim, heads=heads, head_dim=head_dim, context_dim=context_dim, rngs=rngs)
+        self.norm3 = LayerNorm(cp, dim, 1e-5, rngs=rngs)
+        self.ff = FeedForward(cp, dim, rngs=rngs)
+
+    def __call__(self, x, context):
+        x = x + self.attn1(self.norm1(x), context if self.only_cross_attention else None)
+        x = x + self.attn2(self.norm2(x), context)
+        return x + self.ff(self.norm3(x))
+
+
+class Transformer2DModel(nnx.Module):
+    """GroupNorm, proj_in (1x1 conv, or Linear when use_linear_projection), N transformer blocks, proj_out, residual."""
+
+    def __init__(
+        self, cp: Compute, channels: int, *, heads: int, head_dim: int, context_dim: int, layers: int,
+        groups: int, use_linear_projection: bool, only_cross_attention: bool = False, rngs: nnx.Rngs,
+    ):
+        inner = heads * head_dim
+        self.use_linear_projection = use_linear_projection
+        self.norm = GroupNorm(cp, channels, groups, 1e-6, rngs=rngs)
+        make = (lambda a, b: linear(cp, a, b, rngs=rngs)) if use_linear_projection else (lambda a, b: conv(cp, a, b, 1, rngs=rngs))
+        self.proj_in = make(channels, inner)
+        self.transformer_blocks = nnx.List([
+            BasicTransformerBlock(
+                cp, inner, heads=heads, head_dim=head_dim, context_dim=context_dim,
+                only_cross_attention=only_cross_attention, rngs=rngs,
+            )
+            for _ in range(layers)
+        ])
+        self.proj_out = make(inner, channels)
+
+    def __call__(self, x, context):
+        b, hh, ww, c = x.shape
+        h = self.norm(x)
+        if self.use_linear_projection:
+            h = self.proj_in(h.reshape(b, hh * ww, c))  # (B, HW, inner)
+        else:
+            h = self.proj_in(h)
+            h = h.reshape(b, hh * ww, h.shape[-1])  # (B, HW, inner)
+        for block in self.transformer_blocks:
+            h = block(h, context)
+        if self.use_linear_projection:
+            h = self.proj_out(h).reshape(b, hh, ww, c)
+        else:
+            h = self.proj_out(h.reshape(b, hh, ww, h.shape[-1]))
+        return h + x
