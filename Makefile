@@ -20,6 +20,8 @@ $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	# only for its packaged CLIP BPE vocabulary (its own dependencies would pull torchvision)
+	$(BIN)/pip install -q --no-deps open_clip_torch
 	touch $(VENV)/.runtime $@
 
 venv: $(VENV)/.runtime
