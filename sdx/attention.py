@@ -8,8 +8,9 @@ field of the model (`attention=`), never a global:
   dtype, which is what diffusers' `upcast_attention`/`upcast_softmax` ask for.
 - `cudnn`: cuDNN flash attention on NVIDIA GPUs (float16/bfloat16 inputs).
 - `chunked`: queries processed `chunk_size` at a time under `lax.map`, so the `(tokens_q, tokens_k)`
-  logits never exist for all queries at once. For very long sequences (the 128² latent of a
-  2048² image has 16,384 tokens: 1 GiB of float32 logits per head and image).
+  logits never exist for all queries at once, in the forward or the backward pass. For very long
+  sequences (the 128² latent of a 2048² image has 16,384 tokens: 1 GiB of float32 logits per head
+  and image).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def _chunked(q, k, v, scale: float, causal: bool, chunk_size: int) -> jax.Array:
     pad = n * chunk_size - tq
     qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
     chunks = qp.reshape(b, n, chunk_size, h, d).transpose(1, 0, 2, 3, 4)  # (n, B, chunk, H, D)
-    out = jax.lax.map(lambda qc: _reference(qc, k, v, scale, False), chunks)  # (n, B, chunk, H, D)
+    # Checkpointed per chunk: without it the backward pass would keep every chunk's softmax weights,
+    # i.e. the whole (Tq, Tk) matrix the chunking exists to avoid.
+    attend = jax.checkpoint(lambda qc: _reference(qc, k, v, scale, False))
+    out = jax.lax.map(attend, chunks)  # (n, B, chunk, H, D)
     out = out.transpose(1, 0, 2, 3, 4).reshape(b, n * chunk_size, h, d)  # (B, Tq+pad, H, D)
     return out[:, :tq]
 

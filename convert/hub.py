@@ -1,0 +1,100 @@
+"""Fetching a diffusers-layout repo from the Hugging Face hub, only the files sdx reads.
+
+`fetch(repo_id)` reads model_index.json first, lists the repo, and downloads through huggingface_hub
+(its cache, token, HF_ENDPOINT and HF_HUB_OFFLINE apply) just: model_index.json, each model's
+config.json and its chosen safetensors weights (the `variant`, e.g. fp16, when asked and present; never
+`.bin`/`.ckpt` pickles, never the other variant), the tokenizer folders and the scheduler config. With
+HF_HUB_OFFLINE=1 (or when the hub cannot be reached) the cached snapshot is used as it is. Anything
+that stops the fetch is one SdxError naming the repo id.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx2
+from huggingface_hub import constants, hf_hub_download, list_repo_files, snapshot_download
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from convert.diffusers_folder import MODEL_INDEX, needed_files, parse_model_index
+from sdx.errors import SdxError
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_UNREACHABLE = (httpx2.HTTPError, OfflineModeIsEnabled, ConnectionError, TimeoutError)
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """`org/name` with the hub's characters (a local path that exists is never taken for one)."""
+    return bool(_REPO_ID.match(text)) and ".." not in text
+
+
+def _offline() -> bool:
+    return constants.is_offline_mode()
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def fetch(
+    repo_id: str,
+    *,
+    variant: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """The local snapshot folder of `repo_id` holding (at least) the files sdx reads."""
+    log = log or (lambda _msg: None)
+    where = f"hub repo {repo_id!r}" + (f" (revision {revision})" if revision else "")
+    kw = dict(revision=revision, cache_dir=cache_dir)
+    try:
+        if not _offline():
+            try:
+                files = list_repo_files(repo_id, revision=revision, token=token)
+            except _UNREACHABLE as e:
+                log(f"{where}: hub unreachable ({_one_line(e)}); using the local cache")
+            else:
+                index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, token=token, **kw))
+                index = parse_model_index(_read_json(index_path), where=f"{where}: {MODEL_INDEX}")
+                wanted = needed_files(index, files, variant, where=where)
+                log(f"{where}: fetching {len(wanted)} files")
+                return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
+        # Offline: the cached snapshot, as it is; the folder reader reports what it lacks.
+        index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, local_files_only=True, **kw))
+        return index_path.parent
+    except (RepositoryNotFoundError, GatedRepoError) as e:
+        raise SdxError(f"{where}: not found or not accessible (private or gated: log in with `hf auth login`) "
+                       f"[{_one_line(e)}]") from None
+    except RevisionNotFoundError:
+        raise SdxError(f"{where}: revision not found") from None
+    except LocalEntryNotFoundError:
+        how = "HF_HUB_OFFLINE is set" if _offline() else "the hub could not be reached"
+        raise SdxError(f"{where}: not in the local cache and {how}") from None
+    except EntryNotFoundError:
+        raise SdxError(f"{where}: has no {MODEL_INDEX}, so it is not a diffusers-layout repo") from None
+    except HFValidationError as e:
+        raise SdxError(f"{where}: not a valid repo id ({_one_line(e)})") from None
+    except (HfHubHTTPError, *_UNREACHABLE) as e:
+        raise SdxError(f"{where}: could not be fetched ({_one_line(e)})") from None
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SdxError(f"{path}: cannot read JSON ({e})") from None

@@ -1,0 +1,461 @@
+"""Original single-file checkpoints (SGM/LDM layout) to and from a diffusers-keyed `Checkpoint`.
+
+Reading (`read_single_file`): the file's keys tell the model type (`detect_model_type`); the type
+names a preset of diffusers configs (`sdx.presets`), or a diffusers-layout folder given as
+`config_folder` supplies them (any of model_index.json, unet/, vae/, text_encoder/, text_encoder_2/,
+scheduler/, tokenizer/, tokenizer_2/; what it lacks comes from the preset). The configs generate the
+key table (`convert.single_file_keys`), and every tensor of the file is either mapped through it
+exactly once or matched by a named ignore pattern (EMA copies, DDPM buffers, the VAE's training
+loss, position ids, OpenCLIP's logit scale); anything else is an error listing the keys.
+
+Model types: sdxl_base, sdxl_refiner, sdxl_pix2pix, sd15, pix2pix, sd21_v, sd21, and vae (a
+standalone VAE file with `encoder.*`/`decoder.*` keys, as distributed for `--vae`). SD 2.x files
+look the same whether trained for v-prediction (2.x at 768 px) or epsilon (2.x-base at 512 px).
+sdx follows diffusers here: an SD 2.x file is taken as the 768 px v-prediction model (diffusers
+configures every SD 2 file from stabilityai/stable-diffusion-2-1); pass `preset="sd21"` or a
+`config_folder` whose scheduler says `"prediction_type": "epsilon"` for a 2.x-base file.
+
+Writing (`write_single_file`) inverts the same table. The round trip sdx -> single file -> sdx is
+exact. single file -> sdx -> single file gives back the same tensors under the same keys, except
+the ignored ones (EMA weights, buffers), and, for SD 2.x, the unused 24th OpenCLIP layer and text
+projection, which diffusers' layout does not keep.
+
+Files: safetensors (memory-mapped, read lazily), or a pickled `.ckpt`/`.pt`/`.pth`/`.bin` through
+`torch.load(weights_only=True)` only (never a full unpickling; torch is imported only then).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from convert import single_file_keys as K
+from convert.checkpoint import Checkpoint
+from sdx import presets
+from sdx.errors import SdxError
+
+_TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+# --------------------------------------------------------------------------------------------------
+# Model type detection: marker keys (with a shape condition where keys alone cannot tell)
+
+_CONV_IN = K.UNET_PREFIX + "input_blocks.0.0.weight"
+
+# model type -> (layout, preset, {marker key: required value of shape[1] or None})
+MODEL_TYPES: dict[str, tuple[str, str, dict[str, int | None]]] = {
+    "sdxl_pix2pix": ("sdxl", "sdxl_pix2pix", {"conditioner.embedders.1.model.ln_final.weight": None, _CONV_IN: 8}),
+    "sdxl_base": ("sdxl", "sdxl_base", {"conditioner.embedders.1.model.ln_final.weight": None, _CONV_IN: 4}),
+    "sdxl_refiner": ("sdxl_refiner", "sdxl_refiner", {"conditioner.embedders.0.model.ln_final.weight": None, _CONV_IN: 4}),
+    "sd21_v": ("sd2", "sd21_v", {"cond_stage_model.model.ln_final.weight": None, _CONV_IN: 4}),
+    "pix2pix": ("sd1", "pix2pix", {"cond_stage_model.transformer.text_model.final_layer_norm.weight": None, _CONV_IN: 8}),
+    "sd15": ("sd1", "sd15", {"cond_stage_model.transformer.text_model.final_layer_norm.weight": None, _CONV_IN: 4}),
+    "vae": ("vae", "sd15", {"encoder.conv_in.weight": None, "decoder.conv_out.weight": None}),
+}
+# a type that no marker names, but that a caller may ask for (same keys as sd21_v)
+_EXTRA_TYPES = {"sd21": ("sd2", "sd21")}
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(value.shape) if hasattr(value, "shape") else tuple(value)
+
+
+def detect_model_type(shapes: Mapping[str, Any]) -> str:
+    """The model type of a single file from its keys: `shapes` maps key -> array or shape.
+
+    The in-channel count of the UNet's conv_in separates InstructPix2Pix (8) from text-to-image (4).
+    """
+    for name, (_, _, markers) in MODEL_TYPES.items():
+        ok = True
+        for key, channels in markers.items():
+            if key not in shapes:
+                ok = False
+                break
+            if channels is not None:
+                shape = _shape(shapes[key])
+                if len(shape) < 2 or shape[1] != channels:
+                    ok = False
+                    break
+        if ok:
+            return name
+    looked_for = "; ".join(
+        f"{name}: " + " + ".join(k if c is None else f"{k} with {c} input channels" for k, c in markers.items())
+        for name, (_, _, markers) in MODEL_TYPES.items()
+    )
+    hint = ""
+    if _CONV_IN in shapes and len(_shape(shapes[_CONV_IN])) > 1 and _shape(shapes[_CONV_IN])[1] == 9:
+        hint = " (its UNet takes 9 input channels: an inpainting model, which sdx does not support)"
+    sample = ", ".join(sorted(shapes)[:5])
+    raise SdxError(
+        f"unknown single-file layout{hint}; looked for {looked_for}. The file's first keys: {sample or '(none)'}"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# File I/O
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _ml_dtype(name: str):
+    import ml_dtypes  # a dependency of jax
+
+    return {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(name)
+
+
+def _safetensors_header(path: Path) -> tuple[dict, dict, int, int]:
+    """(tensor entries, __metadata__, data start offset, file size); SdxError for a cut-off file."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                raise ValueError("the header is cut off")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SdxError(f"{path}: not a readable safetensors file ({e}); is it truncated or corrupt?") from None
+    metadata = header.pop("__metadata__", None) or {}
+    return header, metadata, 8 + n, size
+
+
+def safetensors_metadata(path) -> dict[str, str]:
+    """The `__metadata__` strings of a safetensors file (LoRA files keep their adapter config there)."""
+    return _safetensors_header(Path(path))[1]
+
+
+def load_safetensors(path) -> dict[str, np.ndarray]:
+    """All tensors of a safetensors file as read-only numpy views of a memory map.
+
+    A file too short for its header or its tensors (truncated download) is an SdxError naming it.
+    """
+    path = Path(path)
+    header, _, start, size = _safetensors_header(path)
+    try:
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    except (KeyError, TypeError, IndexError, ValueError):
+        raise SdxError(f"{path}: not a readable safetensors file (malformed header)") from None
+    if start + end > size:
+        raise SdxError(
+            f"{path}: truncated: its header describes {start + end} bytes, the file has {size}; download it again"
+        )
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(end,)) if end else np.zeros(0, np.uint8)
+    out = {}
+    for key, info in header.items():
+        dtype = _ST_DTYPES.get(info["dtype"]) or _ml_dtype(info["dtype"])
+        if dtype is None:
+            raise SdxError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which sdx cannot read")
+        b, e = info["data_offsets"]
+        expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(dtype).itemsize
+        if e - b != expected:
+            raise SdxError(f"{path}: tensor {key!r} has {e - b} bytes for shape {info['shape']}; the file is corrupt")
+        out[key] = data[b:e].view(dtype).reshape(info["shape"])
+    return out
+
+
+def _load_pickle(path: Path) -> dict[str, np.ndarray]:
+    try:
+        import torch
+    except ImportError:
+        raise SdxError(
+            f"{path}: reading a pickled checkpoint needs PyTorch (pip install torch), which sdx does not "
+            "depend on; or convert the file to .safetensors first"
+        ) from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a bad pickle
+        raise SdxError(
+            f"{path}: cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {str(e)[:200]}); "
+            "sdx never unpickles arbitrary objects. Convert it to .safetensors with a tool you trust"
+        ) from None
+    while isinstance(state, Mapping) and "state_dict" in state:
+        state = state["state_dict"]
+    if not isinstance(state, Mapping):
+        raise SdxError(f"{path}: holds a {type(state).__name__}, not a state dict")
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            if value.dtype == torch.bfloat16:
+                out[key] = value.view(torch.int16).numpy().view(_ml_dtype("BF16"))
+            else:
+                out[key] = value.numpy()
+    return out
+
+
+def load_tensors(path) -> dict[str, np.ndarray]:
+    """Tensors of a single file (safetensors, or a pickled torch checkpoint read weights-only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SdxError(f"{path}: no such file")
+    if path.suffix.lower() in (".ckpt", ".pt", ".pth", ".bin"):
+        return _load_pickle(path)
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head[:1] == b"P" or head == b"\x80\x02":  # a zip (torch >= 1.6) or legacy pickle, whatever its name
+        return _load_pickle(path)
+    return load_safetensors(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SdxError(f"{path}: not valid JSON ({e})") from None
+
+
+def _folder_configs(folder: Path) -> tuple[dict[str, dict], dict | None, dict[str, Path]]:
+    """(component configs, model_index, tokenizer folders) found in a diffusers-layout folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise SdxError(f"config folder {folder}: not a directory")
+    configs = {}
+    for name in ("unet", "vae", *_TEXT_ENCODERS):
+        cfg = _read_json(folder / name / "config.json")
+        if cfg is not None:
+            configs[name] = cfg
+    scheduler = _read_json(folder / "scheduler" / "scheduler_config.json")
+    if scheduler is not None:
+        configs["scheduler"] = scheduler
+    tokenizers = {t: folder / t for t in ("tokenizer", "tokenizer_2") if (folder / t).is_dir()}
+    index = _read_json(folder / "model_index.json")
+    if not configs and index is None:
+        raise SdxError(
+            f"config folder {folder}: no model_index.json and no <component>/config.json; "
+            "expected a diffusers layout (unet/config.json, vae/config.json, text_encoder/config.json, ...)"
+        )
+    return configs, index, tokenizers
+
+
+def _check_configs(configs: Mapping[str, dict], tensors: Mapping[str, Any], layout: str, where: str) -> None:
+    """Catch configs that describe another model than the file's, before the key table does."""
+    problems = []
+    conv_in = tensors.get(_CONV_IN)
+    unet = configs.get("unet")
+    if conv_in is not None and unet is not None:
+        want = (unet["block_out_channels"][0], unet.get("in_channels", 4))
+        if _shape(conv_in)[:2] != want:
+            problems.append(f"the UNet's conv_in is {_shape(conv_in)}, the config says {want} (out, in)")
+    for name, (style, prefix) in K.LAYOUTS.get(layout, {}).items():
+        key = prefix + ("token_embedding.weight" if style == "open_clip" else "text_model.embeddings.token_embedding.weight")
+        if key in tensors and name in configs:
+            want = (configs[name]["vocab_size"], configs[name]["hidden_size"])
+            if _shape(tensors[key]) != want:
+                problems.append(f"{name}'s token embedding is {_shape(tensors[key])}, the config says {want}")
+    if problems:
+        raise SdxError(f"{where}: the configs do not describe this file: {'; '.join(problems)}. "
+                       "Pass the matching diffusers folder as the config folder (--config)")
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def _ignored(key: str, patterns: Iterable[re.Pattern]) -> bool:
+    return any(p.fullmatch(key) for p in patterns)
+
+
+def _list(keys: Iterable[str], limit: int = 10) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _ema_source(key: str) -> str:
+    """LDM's EMA copy flattens the module path: model.diffusion_model.a.b -> model_ema.diffusion_modelab."""
+    return "model_ema." + key[len("model."):].replace(".", "")
+
+
+def map_tensors(
+    tensors: Mapping[str, np.ndarray], entries: list[K.Entry], ignored: Iterable[str], *, where: str, ema: bool = False
+) -> dict[str, dict[str, np.ndarray]]:
+    """Original-keyed tensors -> component -> diffusers-keyed tensors, strictly (see module doc)."""
+    patterns = [re.compile(p) for p in ignored]
+    table = {e.original: e for e in entries}
+    unknown = [k for k in tensors if k not in table and not _ignored(k, patterns)]
+    if unknown:
+        raise SdxError(f"{where}: {len(unknown)} tensor(s) that no table entry or ignore rule covers: {_list(unknown)}")
+    missing = [k for k in table if k not in tensors]
+    if missing:
+        raise SdxError(
+            f"{where}: {len(missing)} tensor(s) the configs call for are missing: {_list(missing)}. "
+            "If the file is a different architecture, pass its diffusers folder as the config folder (--config)"
+        )
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for entry in entries:
+        source = entry.original
+        if ema and source.startswith(K.UNET_PREFIX):
+            source = _ema_source(source)
+            if source not in tensors:
+                raise SdxError(f"{where}: EMA weights asked for, but {source} (for {entry.original}) is missing")
+        arrays = K.to_diffusers(entry, tensors[source])
+        dest = out.setdefault(entry.component, {})
+        for key, array in zip(entry.diffusers, arrays):
+            dest[key] = array
+    return out
+
+
+def read_vae(path, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A standalone VAE file (LDM keys `encoder.down.0.block.0...`, or diffusers keys
+    `encoder.down_blocks.0.resnets.0...`) as diffusers-keyed tensors for a VAE with `config`.
+
+    The architecture of every released SD/SDXL VAE is the same; the latent scaling is not, so the
+    config should be the pipeline's own VAE config (e.g. `Checkpoint.configs["vae"]`).
+    """
+    path = Path(path)
+    tensors = load_tensors(path)
+    return _vae_tensors(tensors, config, str(path))
+
+
+def _vae_tensors(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], where: str) -> dict[str, np.ndarray]:
+    entries = K.vae_entries(config)
+    if "encoder.down_blocks.0.resnets.0.conv1.weight" in tensors:  # already diffusers-keyed
+        wanted = {k: e for e in entries for k in e.diffusers}
+        patterns = [re.compile(p) for p in K.COMMON_IGNORED]
+        unknown = [k for k in tensors if k not in wanted and not _ignored(k, patterns)]
+        missing = [k for k in wanted if k not in tensors]
+        if unknown or missing:
+            raise SdxError(f"{where}: a diffusers-layout VAE that does not fit the config: "
+                           f"unexpected {_list(unknown) or 'none'}; missing {_list(missing) or 'none'}")
+        # older diffusers files keep the attention projections as 1x1 convs
+        return {k: K.to_diffusers(wanted[k], tensors[k])[0] for k in wanted}
+    if "encoder.conv_in.weight" not in tensors:
+        raise SdxError(f"{where}: not a VAE file: looked for encoder.conv_in.weight (LDM keys) or "
+                       "encoder.down_blocks.0.resnets.0.conv1.weight (diffusers keys)")
+    prefixed = {K.VAE_PREFIX + k: v for k, v in tensors.items()}
+    return map_tensors(prefixed, entries, K.COMMON_IGNORED, where=where)["vae"]
+
+
+def read_single_file(path, config_folder=None, *, preset: str | None = None, ema: bool = False) -> Checkpoint:
+    """Read an original single-file checkpoint into a diffusers-keyed `Checkpoint`.
+
+    config_folder: a diffusers-layout folder whose configs (and tokenizers) override the preset's.
+    preset: force a model type / preset (e.g. "sd21" for an SD 2.x-base epsilon model) instead of
+    the detected one; the file's keys must still fit it. For a standalone VAE file, the preset
+    whose VAE config to use (default sd15's; SDXL's differs in its scaling factor only).
+    ema: take the UNet from the file's EMA copy (`model_ema.*`) instead of the trained weights.
+    A standalone VAE file gives a Checkpoint with only a "vae" component and no pipeline class.
+    """
+    path = Path(path)
+    tensors = load_tensors(path)
+    detected = detect_model_type(tensors)
+    types = {**{k: v[:2] for k, v in MODEL_TYPES.items()}, **_EXTRA_TYPES}
+    if detected == "vae":
+        model_type = "vae"
+        preset_name = preset or "sd15"
+        if preset_name not in presets.NAMES:
+            raise SdxError(f"unknown preset {preset_name!r}; choose one of {', '.join(presets.NAMES)}")
+        layout = "vae"
+    else:
+        model_type = preset or detected
+        if model_type not in types or model_type == "vae":
+            raise SdxError(f"unknown model type {model_type!r}; choose one of "
+                           f"{', '.join(sorted(set(types) - {'vae'}))}")
+        layout, preset_name = types[model_type]
+        if layout != types[detected][0]:
+            raise SdxError(f"{path}: its keys are a {detected} layout, which does not fit the requested {model_type}")
+    base = presets.get(preset_name)
+    configs = dict(base.configs)
+    pipeline_class, extra, tokenizers = base.pipeline_class, dict(base.extra), {}
+    if config_folder is not None:
+        found, index, tokenizers = _folder_configs(Path(config_folder))
+        configs.update(found)
+        if index is not None:
+            pipeline_class = index.get("_class_name", pipeline_class)
+            extra = {k: v for k, v in index.items()
+                     if not k.startswith("_") and not (isinstance(v, list) and len(v) == 2)}
+
+    if layout == "vae":
+        return Checkpoint(pipeline_class="", configs={"vae": configs["vae"]},
+                          tensors={"vae": _vae_tensors(tensors, configs["vae"], str(path))})
+    components = ["unet", "vae", *K.LAYOUTS[layout]]
+    _check_configs(configs, tensors, layout, str(path))
+    entries = K.pipeline_entries(layout, configs, components)
+    mapped = map_tensors(tensors, entries, K.layout_ignored(layout, configs), where=str(path), ema=ema)
+    return Checkpoint(
+        pipeline_class=pipeline_class,
+        configs={name: configs[name] for name in (*components, "scheduler") if name in configs},
+        tensors={name: mapped[name] for name in components},
+        tokenizers=tokenizers,
+        extra=extra,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def checkpoint_layout(checkpoint: Checkpoint) -> str:
+    """sd1 / sd2 / sdxl / sdxl_refiner for a Checkpoint, from its text encoders.
+
+    Two encoders: SDXL; the second alone: the SDXL refiner. One encoder: SD 2.x if it is OpenCLIP
+    (gelu activations), SD 1.x if it is OpenAI's CLIP (quick_gelu).
+    """
+    present = [c for c in _TEXT_ENCODERS if c in checkpoint.tensors]
+    if present == ["text_encoder", "text_encoder_2"]:
+        return "sdxl"
+    if present == ["text_encoder_2"]:
+        return "sdxl_refiner"
+    if present == ["text_encoder"]:
+        act = checkpoint.configs["text_encoder"].get("hidden_act", "quick_gelu")
+        return "sd2" if act == "gelu" else "sd1"
+    raise SdxError("a single file needs the pipeline's text encoder(s); this checkpoint has none")
+
+
+def _canonical_text_keys(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers >= 5.6 saves CLIPTextModel without the `text_model.` prefix; the table has it."""
+    return {k if k.startswith("text_model.") or k.startswith("text_projection") else f"text_model.{k}": v
+            for k, v in tensors.items()}
+
+
+def single_file_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
+    """The original-layout tensors of a Checkpoint (a full pipeline, or a VAE alone)."""
+    components = [c for c in ("unet", "vae", *_TEXT_ENCODERS) if c in checkpoint.tensors]
+    vae_only = components == ["vae"]
+    layout = "sd1" if vae_only else checkpoint_layout(checkpoint)
+    if not vae_only and "unet" not in components:
+        raise SdxError("a single file needs the UNet; this checkpoint has none")
+    entries = K.pipeline_entries(layout, checkpoint.configs, components)
+    by_key = {(e.component, k): e for e in entries for k in e.diffusers}
+    source = {c: (_canonical_text_keys(checkpoint.tensors[c]) if c in _TEXT_ENCODERS else checkpoint.tensors[c])
+              for c in components}
+    unknown = [f"{c}: {k}" for c in components for k in source[c] if (c, k) not in by_key]
+    if unknown:
+        raise SdxError(f"{len(unknown)} tensor(s) have no place in the single-file layout: {_list(unknown)}")
+    missing = [f"{c}: {k}" for (c, k) in by_key if k not in source[c]]
+    if missing:
+        raise SdxError(f"{len(missing)} tensor(s) the configs call for are missing: {_list(missing)}")
+    out = {}
+    for e in entries:
+        array = K.to_original(e, tuple(np.asarray(source[e.component][k]) for k in e.diffusers))
+        key = e.original[len(K.VAE_PREFIX):] if vae_only else e.original
+        out[key] = np.ascontiguousarray(array)
+    return out
+
+
+def write_single_file(checkpoint: Checkpoint, path) -> None:
+    """Write `checkpoint` as one safetensors file in the original SGM/LDM layout.
+
+    The configs (scheduler, prediction type) are not part of that layout; a reader gets them from
+    the detected preset or a config folder. A VAE-only Checkpoint is written as a standalone VAE
+    file (keys without the `first_stage_model.` prefix).
+    """
+    from safetensors.numpy import save_file
+
+    tensors = single_file_tensors(checkpoint)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path), metadata={"format": "pt"})

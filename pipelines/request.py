@@ -1,0 +1,198 @@
+"""A generation request as a user states it, and its translation into sampler batches.
+
+Image order follows diffusers: every prompt's images together, [p0, p0, p1, p1] for two images per
+prompt. Image j's initial noise comes from `fold_in(PRNGKey(seed), j)`, so an image does not change
+with the batch size; `latents` replaces it with given noise (diffusers' `latents=`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pipelines import text
+from pipelines.family import Family
+from pipelines.sampler import START_IMAGE, START_LATENTS, START_NOISE, Inputs, Plan
+from sdx.errors import SdxError
+from sdx.schedulers import Scheduler, denoising_range
+
+
+@dataclasses.dataclass
+class Request:
+    """What to generate. Sizes in pixels; `image` (N, H, W, 3) float32 in [-1, 1] with N = 1 or one per
+    prompt; `latents` (images, h, w, C) float32 initial noise in sdx layout (NHWC), before the
+    scheduler's init_noise_sigma; `init_latents` (images, h, w, C) to continue (refiner hand-over)."""
+
+    prompts: Sequence[str]
+    height: int
+    width: int
+    steps: int = 30
+    prompts_2: Sequence[str] | None = None
+    negative_prompts: Sequence[str] | None = None
+    negative_prompts_2: Sequence[str] | None = None
+    num_images_per_prompt: int = 1
+    batch_size: int | None = None
+    seed: int = 0
+    guidance_scale: float = 7.5
+    image_guidance_scale: float = 1.5
+    guidance_rescale: float = 0.0
+    strength: float = 0.8
+    denoising_start: float | None = None
+    denoising_end: float | None = None
+    image: np.ndarray | None = None
+    latents: np.ndarray | None = None
+    init_latents: np.ndarray | None = None
+    original_size: tuple[int, int] | None = None
+    crops_coords_top_left: tuple[int, int] = (0, 0)
+    target_size: tuple[int, int] | None = None
+    negative_original_size: tuple[int, int] | None = None
+    negative_crops_coords_top_left: tuple[int, int] | None = None
+    negative_target_size: tuple[int, int] | None = None
+    aesthetic_score: float = 6.0
+    negative_aesthetic_score: float = 2.5
+    clip_skip: int | None = None
+    long_prompt: str = "truncate"
+    output_latents: bool = False
+
+    @property
+    def num_images(self) -> int:
+        return len(self.prompts) * self.num_images_per_prompt
+
+
+def _per_prompt(values: Sequence[str] | None, n: int, name: str) -> list[str] | None:
+    if values is None:
+        return None
+    values = list(values)
+    if len(values) == 1:
+        return values * n
+    if len(values) != n:
+        raise SdxError(f"{name}: give one value or one per prompt ({n}), not {len(values)}")
+    return values
+
+
+def _time_ids(family: Family, r: Request, negative: bool) -> list[float]:
+    size = (r.height, r.width)
+    original = r.original_size or size
+    crops = r.crops_coords_top_left
+    if negative:
+        original = r.negative_original_size or original
+        crops = r.negative_crops_coords_top_left or crops
+    if family.aesthetic:
+        return [*original, *crops, r.negative_aesthetic_score if negative else r.aesthetic_score]
+    target = r.target_size or size
+    if negative:
+        target = r.negative_target_size or target
+    return [*original, *crops, *target]
+
+
+def validate(r: Request, family: Family, factor: int, multiple: int) -> None:
+    """Fail early, in the user's terms, on what the models cannot take."""
+    if not r.prompts:
+        raise SdxError("give at least one prompt")
+    if r.steps < 1:
+        raise SdxError(f"--steps {r.steps}: the number of steps must be a positive integer")
+    if r.num_images_per_prompt < 1:
+        raise SdxError(f"--num-images {r.num_images_per_prompt} must be at least 1")
+    if r.batch_size is not None and r.batch_size < 1:
+        raise SdxError(f"--batch-size {r.batch_size} must be at least 1")
+    for name, v in (("--height", r.height), ("--width", r.width)):
+        if v < multiple or v % multiple:
+            raise SdxError(f"{name} {v}: this model takes sizes that are positive multiples of {multiple} pixels")
+    if family.pix2pix and r.image is None:
+        raise SdxError("an InstructPix2Pix model edits an image: pass --image")
+    if r.long_prompt not in ("truncate", "chunk"):
+        raise SdxError(f"--long-prompt {r.long_prompt!r}: choose truncate or chunk")
+    if r.clip_skip is not None and r.clip_skip < 0:
+        raise SdxError(f"--clip-skip {r.clip_skip} must be >= 0")
+    for name, arr, shape in (
+        ("--latents", r.latents, (r.height // factor, r.width // factor)),
+        ("initial latents", r.init_latents, (r.height // factor, r.width // factor)),
+    ):
+        if arr is not None and (arr.ndim != 4 or arr.shape[0] not in (1, r.num_images) or arr.shape[1:3] != shape):
+            raise SdxError(
+                f"{name}: shape {arr.shape} does not fit {r.num_images} image(s) of {r.height}x{r.width} "
+                f"(expected (1 or {r.num_images}, channels, {shape[0]}, {shape[1]}) in the diffusers layout)"
+            )
+    if r.image is not None and r.image.shape[0] not in (1, len(r.prompts)):
+        raise SdxError(f"give one input image or one per prompt ({len(r.prompts)}), not {r.image.shape[0]}")
+
+
+def batches(
+    r: Request, family: Family, tokenizers, scheduler: Scheduler, *, factor: int, channels: int, devices: int = 1
+) -> list[tuple[Plan, Inputs, int]]:
+    """[(plan, inputs, real)]: the request cut into compiled-call batches; `real` is how many of the
+    batch's images are wanted (the last batch is padded to the batch size)."""
+    n, h, w = r.num_images, r.height // factor, r.width // factor
+    batch = r.batch_size or n
+    batch = -(-batch // devices) * devices  # every device gets the same share
+    per_image = lambda values: [v for v in values for _ in range(r.num_images_per_prompt)]
+
+    prompts = [per_image(list(r.prompts))]
+    negatives = [per_image(_per_prompt(r.negative_prompts, len(r.prompts), "--negative-prompt") or [""] * len(r.prompts))]
+    if family.xl and family.encoders == ("text_encoder", "text_encoder_2"):
+        prompts.append(per_image(_per_prompt(r.prompts_2, len(r.prompts), "--prompt-2") or list(r.prompts)))
+        neg2 = _per_prompt(r.negative_prompts_2, len(r.prompts), "--negative-prompt-2")
+        negatives.append(per_image(neg2) if neg2 else negatives[0])
+    zero_negative = family.force_zeros and r.negative_prompts is None and r.negative_prompts_2 is None
+    chunks = None
+    if r.long_prompt == "chunk":
+        chunks = max(text.chunks_needed(family, tokenizers, prompts), text.chunks_needed(family, tokenizers, negatives))
+    ids = text.tokenize(family, tokenizers, prompts, chunks=chunks)
+    neg_ids = text.tokenize(family, tokenizers, negatives, chunks=chunks)
+
+    start = START_NOISE
+    if r.init_latents is not None:
+        start = START_LATENTS
+    elif r.image is not None and not family.pix2pix:
+        start = START_IMAGE
+    strength = r.strength if start == START_IMAGE and r.denoising_start is None else 1.0
+    begin, end = denoising_range(
+        scheduler, r.steps, strength=strength, denoising_start=r.denoising_start, denoising_end=r.denoising_end
+    )
+    cfg = r.guidance_scale > 1.0 and (not family.pix2pix or r.image_guidance_scale >= 1.0)
+    plan = Plan(
+        family=family, scheduler=scheduler, batch=batch, height=r.height, width=r.width, steps=r.steps,
+        begin=begin, end=end, cfg=cfg, start=start, decode=not r.output_latents,
+        chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
+    )
+    state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
+
+    base_key = jax.random.PRNGKey(r.seed)
+    if r.latents is not None:
+        noise_all = np.broadcast_to(r.latents.transpose(0, 2, 3, 1), (n, h, w, r.latents.shape[1]))  # NCHW -> NHWC
+    else:
+        keys = jax.vmap(lambda j: jax.random.fold_in(base_key, j))(jnp.arange(n))
+        noise_all = np.asarray(jax.vmap(lambda k: jax.random.normal(k, (h, w, channels)))(keys))
+    image_all = None
+    if start == START_LATENTS:
+        image_all = np.broadcast_to(r.init_latents.transpose(0, 2, 3, 1), (n, h, w, r.init_latents.shape[1]))
+    elif r.image is not None:
+        per_prompt_image = r.image if r.image.shape[0] == len(r.prompts) else np.repeat(r.image, len(r.prompts), 0)
+        image_all = np.repeat(per_prompt_image, r.num_images_per_prompt, axis=0)
+
+    time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
+    neg_time_ids = np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids
+    scales = np.asarray([r.guidance_scale, r.image_guidance_scale, r.guidance_rescale], np.float32)
+
+    out = []
+    for b0 in range(0, n, batch):
+        idx = np.arange(b0, b0 + batch) % n  # the last batch repeats images to fill its slots
+        take = lambda a: np.ascontiguousarray(np.asarray(a)[idx])
+        inputs = Inputs(
+            ids={k: take(v) for k, v in ids.items()},
+            negative_ids={k: take(v) for k, v in neg_ids.items()},
+            zero_negative=np.full((batch,), float(zero_negative), np.float32),
+            noise=take(noise_all).astype(np.float32),
+            key=jax.random.fold_in(base_key, 2**30 + b0),
+            scales=scales,
+            time_ids=take(time_ids),
+            negative_time_ids=take(neg_time_ids),
+            image=take(image_all).astype(np.float32) if image_all is not None else np.zeros((0, 0, 0, 0), np.float32),
+            state=state,
+        )
+        out.append((plan, inputs, min(batch, n - b0)))
+    return out

@@ -1,0 +1,508 @@
+"""The sdx model folder: what `python -m convert` writes and what the sampler and trainer load.
+
+    MODEL/
+      sdx.json                    the spec (below)
+      unet.safetensors            one file per model component, keyed by sdx parameter path
+      vae.safetensors             (`down_blocks.0.resnets.0.conv1.kernel`), arrays already in Flax
+      text_encoder.safetensors    layout (kernels HWIO / (in, out)), all in the spec's dtype
+      text_encoder_2.safetensors
+      tokenizer/  tokenizer_2/    the tokenizer files exactly as the source had them
+
+sdx.json:
+
+    {"format": "sdx", "format_version": 1,
+     "pipeline_class": "StableDiffusionXLPipeline",      # model_index.json's _class_name
+     "dtype": "bfloat16",                                 # of every tensor in the safetensors files
+     "components": {
+       "unet": {"class": "UNet2DConditionModel", "file": "unet.safetensors",
+                "config": {...UNetConfig.to_dict()...},
+                "source_config": {...the diffusers config.json it came from, or null...}},
+       "vae": {...}, "text_encoder": {...}, "text_encoder_2": {...},
+       "tokenizer": {"class": "CLIPTokenizer", "folder": "tokenizer"}, "tokenizer_2": {...},
+       "scheduler": {"class": "EulerDiscreteScheduler", "config": {...scheduler_config.json...}}},
+     "extra": {"force_zeros_for_empty_prompt": true}}    # model_index.json's other entries
+
+Loading reads nothing twice and builds no random weights: the model is built abstractly
+(`sdx.weights.abstract`), the safetensors file is memory-mapped, every key and shape is checked, and
+`sdx.weights.materialize` puts each tensor on the device(s) with its sharding (each device reading only
+its own slice). Writing is atomic: the folder is built as `MODEL.tmp-*` next to MODEL and renamed.
+
+This module knows the sdx side only; reading diffusers folders, hub repos and single files into a
+`convert.checkpoint.Checkpoint`, and writing one here, is `convert`'s job (`convert/sdx_folder.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sdx import weights
+from sdx.errors import SdxError
+from sdx.layers import Compute
+
+FORMAT = "sdx"
+FORMAT_VERSION = 1
+SPEC_FILE = "sdx.json"
+
+
+# --------------------------------------------------------------------------------------------------
+# What a pipeline is made of
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelKind:
+    """A model component: the diffusers/transformers classes it may be, and the sdx module built for it."""
+
+    classes: tuple[str, ...]  # as model_index.json names them; the first is the default
+    module: str  # "sdx.unet"
+    config_class: str  # "UNetConfig": from_diffusers_config / from_dict / to_dict
+    model_class: str  # "UNet2DConditionModel": Model(config, compute, *, rngs)
+
+    def _get(self, name: str):
+        return getattr(importlib.import_module(self.module), name)
+
+    def config_from_diffusers(self, d: Mapping[str, Any]):
+        return self._get(self.config_class).from_diffusers_config(d)
+
+    def config_from_dict(self, d: Mapping[str, Any]):
+        return self._get(self.config_class).from_dict(d)
+
+    def build(self, config, compute: Compute, rngs: nnx.Rngs) -> nnx.Module:
+        return self._get(self.model_class)(config, compute, rngs=rngs)
+
+    def abstract(self, config, compute: Compute | None = None) -> nnx.Module:
+        return weights.abstract(lambda rngs: self.build(config, compute or Compute(), rngs))
+
+
+_CLIP = ModelKind(("CLIPTextModel", "CLIPTextModelWithProjection"), "sdx.clip", "TextEncoderConfig", "CLIPTextModel")
+MODEL_KINDS: dict[str, ModelKind] = {
+    "unet": ModelKind(("UNet2DConditionModel",), "sdx.unet", "UNetConfig", "UNet2DConditionModel"),
+    "vae": ModelKind(("AutoencoderKL",), "sdx.vae", "VAEConfig", "AutoencoderKL"),
+    "text_encoder": _CLIP,
+    "text_encoder_2": dataclasses.replace(_CLIP, classes=("CLIPTextModelWithProjection", "CLIPTextModel")),
+}
+TOKENIZERS: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("CLIPTokenizer", "CLIPTokenizerFast"),
+    "tokenizer_2": ("CLIPTokenizer", "CLIPTokenizerFast"),
+}
+SCHEDULER = "scheduler"
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineKind:
+    """The components a pipeline class needs (all of `required`, any of `optional`)."""
+
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+
+_SD = PipelineKind(("unet", "vae", "text_encoder", "tokenizer", "scheduler"))
+_SDXL = PipelineKind(("unet", "vae", "text_encoder_2", "tokenizer_2", "scheduler"), ("text_encoder", "tokenizer"))
+PIPELINES: dict[str, PipelineKind] = {
+    "StableDiffusionPipeline": _SD,
+    "StableDiffusionImg2ImgPipeline": _SD,
+    "StableDiffusionInstructPix2PixPipeline": _SD,
+    "StableDiffusionXLPipeline": _SDXL,
+    "StableDiffusionXLImg2ImgPipeline": _SDXL,  # the refiner has no first text encoder
+    "StableDiffusionXLInstructPix2PixPipeline": _SDXL,
+}
+
+
+def check_pipeline(pipeline_class: str, components: set[str], *, where: str) -> PipelineKind:
+    """The pipeline's kind, after checking that `components` are what it needs (no more, no less)."""
+    if pipeline_class not in PIPELINES:
+        raise SdxError(
+            f"{where}: unknown pipeline class {pipeline_class!r}; sdx reads {', '.join(PIPELINES)}"
+        )
+    kind = PIPELINES[pipeline_class]
+    missing = [c for c in kind.required if c not in components]
+    if missing:
+        raise SdxError(f"{where}: {pipeline_class} needs component(s) {', '.join(missing)}, which are absent")
+    extra = sorted(components - set(kind.required) - set(kind.optional))
+    if extra:
+        raise SdxError(f"{where}: component(s) {', '.join(extra)} are not part of a {pipeline_class}")
+    if ("text_encoder" in components) != ("tokenizer" in components):
+        raise SdxError(f"{where}: text_encoder and tokenizer come together; only one of them is present")
+    return kind
+
+
+def check_tokenizer_folder(folder: Path, *, where: str) -> None:
+    """A CLIP tokenizer folder holds vocab.json + merges.txt (the released repos) or tokenizer.json (transformers 5)."""
+    if not folder.is_dir():
+        raise SdxError(f"{where}: tokenizer folder {folder} does not exist")
+    if not ((folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()) and not (
+        folder / "tokenizer.json"
+    ).is_file():
+        raise SdxError(f"{where}: tokenizer folder {folder} has neither vocab.json + merges.txt nor tokenizer.json")
+
+
+# --------------------------------------------------------------------------------------------------
+# The spec
+
+
+def is_model_folder(path: str | os.PathLike) -> bool:
+    return (Path(path) / SPEC_FILE).is_file()
+
+
+def read_spec(folder: str | os.PathLike) -> dict[str, Any]:
+    """sdx.json of `folder`, checked for format, version and pipeline components."""
+    path = Path(folder) / SPEC_FILE
+    if not path.is_file():
+        raise SdxError(f"{folder}: not an sdx model folder (no {SPEC_FILE})")
+    try:
+        spec = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SdxError(f"{path}: cannot read ({e})") from None
+    if not isinstance(spec, dict) or spec.get("format") != FORMAT:
+        raise SdxError(f"{path}: not an sdx spec (\"format\" is not \"{FORMAT}\")")
+    if spec.get("format_version") != FORMAT_VERSION:
+        raise SdxError(
+            f"{path}: format_version {spec.get('format_version')!r} is not {FORMAT_VERSION}, the one this sdx reads"
+        )
+    for key in ("pipeline_class", "dtype", "components"):
+        if key not in spec:
+            raise SdxError(f"{path}: missing {key!r}")
+    weights.dtype_of(spec["dtype"])
+    check_pipeline(spec["pipeline_class"], set(spec["components"]), where=str(path))
+    spec.setdefault("extra", {})
+    return spec
+
+
+def _entry(spec: Mapping[str, Any], folder: Path, name: str) -> dict[str, Any]:
+    if name not in spec["components"]:
+        present = ", ".join(spec["components"])
+        raise SdxError(f"{folder / SPEC_FILE}: no component {name!r} (it has {present})")
+    return spec["components"][name]
+
+
+def _model_kind(name: str, folder: Path) -> ModelKind:
+    if name not in MODEL_KINDS:
+        raise SdxError(f"{folder / SPEC_FILE}: {name!r} is not a model component ({', '.join(MODEL_KINDS)})")
+    return MODEL_KINDS[name]
+
+
+def model_config(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any] | None = None):
+    """The sdx config object (UNetConfig, VAEConfig, TextEncoderConfig) of model component `name`."""
+    folder = Path(folder)
+    spec = spec or read_spec(folder)
+    try:
+        return _model_kind(name, folder).config_from_dict(_entry(spec, folder, name)["config"])
+    except SdxError as e:
+        raise SdxError(f"{folder / SPEC_FILE}: {name}: {e}") from None
+
+
+def scheduler_config(folder: str | os.PathLike, *, spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The scheduler_config.json dict (diffusers' own keys, `_class_name` included)."""
+    spec = spec or read_spec(folder)
+    return dict(_entry(spec, Path(folder), SCHEDULER)["config"])
+
+
+def tokenizer_folder(folder: str | os.PathLike, name: str = "tokenizer", *, spec: Mapping[str, Any] | None = None) -> Path:
+    spec = spec or read_spec(folder)
+    return Path(folder) / _entry(spec, Path(folder), name)["folder"]
+
+
+def load_tokenizer(folder: str | os.PathLike, name: str = "tokenizer", *, spec: Mapping[str, Any] | None = None):
+    """`sdx.tokenizer.CLIPTokenizer` for tokenizer component `name` ("tokenizer" or "tokenizer_2")."""
+    from sdx.tokenizer import CLIPTokenizer
+
+    return CLIPTokenizer.from_folder(tokenizer_folder(folder, name, spec=spec))
+
+
+def read_arrays(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """{sdx parameter path: memory-mapped array in the stored dtype} of model component `name` (unchecked)."""
+    folder = Path(folder)
+    spec = spec or read_spec(folder)
+    _model_kind(name, folder)
+    path = folder / _entry(spec, folder, name)["file"]
+    if not path.is_file():
+        raise SdxError(f"{path}: missing (listed in {SPEC_FILE} for {name})")
+    meta = weights.read_safetensors_metadata(path)
+    if meta.get("component", name) != name:
+        raise SdxError(f"{path}: holds component {meta['component']!r}, but {SPEC_FILE} lists it for {name!r}")
+    return weights.read_safetensors(path)
+
+
+def _np_dtype(dtype) -> np.dtype:
+    return weights.dtype_of(dtype) if isinstance(dtype, str) else np.dtype(jnp.dtype(dtype))
+
+
+def load_component(
+    folder: str | os.PathLike,
+    name: str,
+    *,
+    dtype=None,
+    compute: Compute | None = None,
+    sharding: weights.Sharding = None,
+    spec: Mapping[str, Any] | None = None,
+) -> nnx.Module:
+    """The live sdx model of component `name` ("unet", "vae", "text_encoder", "text_encoder_2").
+
+    dtype: parameter dtype ("float32", "bfloat16", "float16" or a jnp dtype); default: as stored.
+    compute: how the model runs (activation dtype, attention backend, remat); its param_dtype is
+      replaced by the parameter dtype above. Default: Compute(dtype=param dtype, param_dtype=param dtype).
+    sharding: one `jax.sharding.Sharding` for every parameter, or a function (path, shape) -> Sharding
+      (e.g. `sdx.mesh.param_sharding(mesh)`); None puts everything on the default device.
+    """
+    folder = Path(folder)
+    spec = spec or read_spec(folder)
+    kind = _model_kind(name, folder)
+    config = model_config(folder, name, spec=spec)
+    param_dtype = _np_dtype(dtype if dtype is not None else spec["dtype"])
+    if compute is None:
+        compute = Compute(dtype=jnp.dtype(param_dtype), param_dtype=jnp.dtype(param_dtype))
+    else:
+        compute = dataclasses.replace(compute, param_dtype=jnp.dtype(param_dtype))
+    model = kind.abstract(config, compute)
+    arrays = read_arrays(folder, name, spec=spec)
+    where = str(folder / _entry(spec, folder, name)["file"])
+    weights.check_arrays(weights.param_shapes(model), arrays, where=where)
+    return weights.materialize(model, arrays, dtype=param_dtype, sharding=sharding)
+
+
+@dataclasses.dataclass
+class Pipeline:
+    """Everything a sampler needs from a model folder. `models`/`configs`: by component name
+    ("unet", "vae", "text_encoder", "text_encoder_2"); `tokenizers`: "tokenizer", "tokenizer_2"."""
+
+    pipeline_class: str
+    models: dict[str, nnx.Module]
+    configs: dict[str, Any]
+    tokenizers: dict[str, Any]
+    scheduler_config: dict[str, Any]
+    extra: dict[str, Any]
+    dtype: str  # as stored
+    folder: Path
+
+
+def components(folder: str | os.PathLike, *, spec: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """The component names in the folder (models, tokenizers, scheduler)."""
+    return tuple((spec or read_spec(folder))["components"])
+
+
+def load_pipeline(
+    folder: str | os.PathLike,
+    *,
+    dtype=None,
+    compute: Compute | Mapping[str, Compute] | None = None,
+    sharding: weights.Sharding = None,
+    models: tuple[str, ...] | None = None,
+    tokenizers: bool = True,
+) -> Pipeline:
+    """Load the folder's models (all, or those named in `models`), tokenizers and scheduler config.
+
+    `compute` may be one Compute for every model or a dict by component name (missing names take the
+    default of `load_component`); `dtype` and `sharding` as in `load_component`.
+    """
+    folder = Path(folder)
+    spec = read_spec(folder)
+    names = [c for c in spec["components"] if c in MODEL_KINDS and (models is None or c in models)]
+    if models is not None:
+        unknown = [m for m in models if m not in names]
+        if unknown:
+            raise SdxError(f"{folder}: no model component(s) {', '.join(unknown)} (it has {', '.join(names)})")
+    cps = compute if isinstance(compute, Mapping) else {n: compute for n in names}
+    loaded = {n: load_component(folder, n, dtype=dtype, compute=cps.get(n), sharding=sharding, spec=spec) for n in names}
+    return Pipeline(
+        pipeline_class=spec["pipeline_class"],
+        models=loaded,
+        configs={n: model_config(folder, n, spec=spec) for n in spec["components"] if n in MODEL_KINDS},
+        tokenizers={n: load_tokenizer(folder, n, spec=spec) for n in spec["components"] if n in TOKENIZERS}
+        if tokenizers else {},
+        scheduler_config=scheduler_config(folder, spec=spec),
+        extra=dict(spec["extra"]),
+        dtype=spec["dtype"],
+        folder=folder,
+    )
+
+
+def torch_state(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """Model component `name` as a diffusers/transformers state dict (torch keys and layouts; views, not copies)."""
+    return weights.to_torch_keys(read_arrays(folder, name, spec=spec))
+
+
+def module_arrays(model: nnx.Module) -> dict[str, np.ndarray]:
+    """{parameter path: host numpy array} of a live model (gathered from its devices), for `write_model_folder`."""
+    state = nnx.state(model, nnx.Param)
+    return {".".join(map(str, p)): np.asarray(jax.device_get(v.get_value())) for p, v in nnx.to_flat_state(state)}
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+@contextlib.contextmanager
+def building_folder(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to `out`; on success it becomes `out` by one rename.
+
+    An existing non-empty `out` is refused unless `overwrite` (then it is replaced only once the new
+    folder is complete). On failure the temporary folder is removed and `out` is untouched.
+    """
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        if not out.is_dir() or out.is_symlink():
+            raise SdxError(f"{out} exists and is not a folder; choose another output path")
+        if any(out.iterdir()) and not overwrite:
+            raise SdxError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
+        os.chmod(tmp, 0o755)
+    except OSError as e:
+        raise SdxError(f"cannot create {out}: {e.strerror or e}") from None
+    old = None
+    try:
+        yield tmp
+        weights._fsync_dir(tmp)
+        if out.exists():
+            if any(out.iterdir()):
+                old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
+                os.rmdir(old)
+                os.rename(out, old)
+            else:
+                out.rmdir()
+        try:
+            os.rename(tmp, out)
+        except OSError as e:
+            if old is not None:
+                os.rename(old, out)
+            raise SdxError(f"cannot move the finished folder into place at {out}: {e.strerror or e}") from None
+        weights._fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclasses.dataclass
+class ModelPart:
+    """One model component to write: `arrays` keyed by sdx parameter path, in Flax layout, any float dtype."""
+
+    cls: str  # "UNet2DConditionModel", "CLIPTextModelWithProjection", ...
+    config: Any  # its sdx config object (to_dict())
+    arrays: Mapping[str, np.ndarray]
+    source_config: dict[str, Any] | None = None  # the diffusers/transformers config.json, kept for export
+
+
+def write_model_folder(
+    out: str | os.PathLike,
+    *,
+    pipeline_class: str,
+    models: Mapping[str, ModelPart],
+    tokenizers: Mapping[str, str | os.PathLike],
+    scheduler: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """Write an sdx model folder (see the module docstring). Each model's arrays are checked strictly
+    against its config's abstract model, cast to `dtype` (floating tensors only) and streamed out."""
+    out = Path(out)
+    log = log or (lambda _msg: None)
+    cast = weights.dtype_of(dtype)
+    names = set(models) | set(tokenizers) | {SCHEDULER}
+    check_pipeline(pipeline_class, names, where=str(out))
+    for name in models:
+        if name not in MODEL_KINDS:
+            raise SdxError(f"{out}: {name!r} is not a model component ({', '.join(MODEL_KINDS)})")
+    for name, src in tokenizers.items():
+        if name not in TOKENIZERS:
+            raise SdxError(f"{out}: {name!r} is not a tokenizer component ({', '.join(TOKENIZERS)})")
+        check_tokenizer_folder(Path(src), where=name)
+    comps: dict[str, Any] = {}
+    with building_folder(out, overwrite=overwrite) as tmp:
+        for name in (n for n in MODEL_KINDS if n in models):
+            part = models[name]
+            kind = MODEL_KINDS[name]
+            if part.cls not in kind.classes:
+                raise SdxError(f"{name}: class {part.cls!r} is not one sdx builds for it ({', '.join(kind.classes)})")
+            weights.check_arrays(weights.param_shapes(kind.abstract(part.config)), part.arrays, where=name)
+            file = f"{name}.safetensors"
+            items = [(k, _cast(part.arrays[k], cast)) for k in sorted(part.arrays)]
+            try:
+                weights.write_safetensors(
+                    tmp / file, items,
+                    metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION), "component": name, "dtype": dtype},
+                )
+            except OSError as e:
+                raise SdxError(f"cannot write {out / file}: {e.strerror or e}") from None
+            log(f"{name}: {len(items)} tensors -> {file}")
+            comps[name] = {
+                "class": part.cls, "file": file, "config": part.config.to_dict(),
+                "source_config": part.source_config,
+            }
+        for name in (n for n in TOKENIZERS if n in tokenizers):
+            try:
+                shutil.copytree(Path(tokenizers[name]), tmp / name, symlinks=False)
+            except OSError as e:
+                raise SdxError(f"cannot copy tokenizer {tokenizers[name]} to {out / name}: {e}") from None
+            comps[name] = {"class": "CLIPTokenizer", "folder": name}
+        comps[SCHEDULER] = {"class": scheduler.get("_class_name"), "config": dict(scheduler)}
+        spec = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "pipeline_class": pipeline_class,
+            "dtype": dtype, "components": comps, "extra": dict(extra or {}),
+        }
+        text = json.dumps(spec, indent=2, sort_keys=False, default=_json_default) + "\n"
+        weights.atomic_write(tmp / SPEC_FILE, lambda f: f.write(text.encode()))
+    log(f"wrote {out} ({pipeline_class}, {dtype})")
+    return out
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+class _Cast:
+    """An array-like that casts `array` to `dtype` only when written (keeps peak memory at one tensor)."""
+
+    def __init__(self, array: np.ndarray, dtype: np.dtype):
+        self.array, self.dtype, self.shape = array, dtype, tuple(array.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.array).astype(self.dtype, copy=False)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def _cast(array: np.ndarray, dtype: np.dtype):
+    if not weights.is_float(array.dtype):
+        return array
+    return array if array.dtype == dtype else _Cast(array, dtype)
+
+
+def resave(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str, overwrite: bool = False, log=None) -> Path:
+    """Copy an sdx model folder with its tensors cast to `dtype` (checked against the configs on the way)."""
+    src = Path(src)
+    if Path(out).resolve() == src.resolve():
+        raise SdxError(f"{out}: the output must differ from the source folder")
+    spec = read_spec(src)
+    models = {}
+    for name, entry in spec["components"].items():
+        if name in MODEL_KINDS:
+            models[name] = ModelPart(
+                cls=entry["class"], config=model_config(src, name, spec=spec),
+                arrays=read_arrays(src, name, spec=spec), source_config=entry.get("source_config"),
+            )
+    return write_model_folder(
+        out, pipeline_class=spec["pipeline_class"], models=models,
+        tokenizers={n: tokenizer_folder(src, n, spec=spec) for n in spec["components"] if n in TOKENIZERS},
+        scheduler=scheduler_config(src, spec=spec), extra=spec["extra"], dtype=dtype, overwrite=overwrite, log=log,
+    )

@@ -1,0 +1,723 @@
+"""The denoising UNet of SD 1.x, SD 2.x, SDXL (base and refiner) and InstructPix2Pix.
+
+One module, `UNet2DConditionModel`, mirrors diffusers' class of the same name: its attribute paths are
+diffusers' state-dict keys (`down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`), so loading a
+checkpoint is `sdx.weights.load_torch_state` with no rename table. Tensors are NHWC.
+
+The architecture is a frozen `UNetConfig`. Its fields are diffusers' config fields with every per-level
+value spelled out as a tuple, and one rename that undoes a diffusers naming accident:
+
+- diffusers' `attention_head_dim` is, in every SD/SDXL config, the number of heads (diffusers issue
+  2011: `num_attention_heads` defaults to `attention_head_dim`, and the head size is channels // heads).
+  sdx stores it as `num_attention_heads`. SD1: 8 heads of 40/80/160; SD2/SDXL: 64-wide heads.
+
+`UNetConfig.from_diffusers_config(config_json_dict)` honours every field that changes the math and
+raises `SdxError` naming the field for any value sdx does not implement (never a silent default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sdx.errors import SdxError
+from sdx.layers import (
+    F32,
+    Compute,
+    Downsample2D,
+    GroupNorm,
+    ResnetBlock2D,
+    TimestepEmbedding,
+    Transformer2DModel,
+    Upsample2D,
+    conv,
+    timestep_embedding,
+)
+
+CROSS_DOWN, PLAIN_DOWN = "CrossAttnDownBlock2D", "DownBlock2D"
+CROSS_UP, PLAIN_UP = "CrossAttnUpBlock2D", "UpBlock2D"
+CROSS_MID, PLAIN_MID = "UNetMidBlock2DCrossAttn", "UNetMidBlock2D"
+
+LayerCounts = int | tuple[int, ...]  # transformer layers of one level: one number, or one per resnet
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------------
+
+# diffusers 0.42 UNet2DConditionModel.__init__ defaults (tests check this table against diffusers).
+DIFFUSERS_DEFAULTS: dict[str, Any] = {
+    "sample_size": None,
+    "in_channels": 4,
+    "out_channels": 4,
+    "center_input_sample": False,
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "down_block_types": (CROSS_DOWN, CROSS_DOWN, CROSS_DOWN, PLAIN_DOWN),
+    "mid_block_type": CROSS_MID,
+    "up_block_types": (PLAIN_UP, CROSS_UP, CROSS_UP, CROSS_UP),
+    "only_cross_attention": False,
+    "block_out_channels": (320, 640, 1280, 1280),
+    "layers_per_block": 2,
+    "downsample_padding": 1,
+    "mid_block_scale_factor": 1,
+    "dropout": 0.0,
+    "act_fn": "silu",
+    "norm_num_groups": 32,
+    "norm_eps": 1e-05,
+    "cross_attention_dim": 1280,
+    "transformer_layers_per_block": 1,
+    "reverse_transformer_layers_per_block": None,
+    "encoder_hid_dim": None,
+    "encoder_hid_dim_type": None,
+    "attention_head_dim": 8,
+    "num_attention_heads": None,
+    "dual_cross_attention": False,
+    "use_linear_projection": False,
+    "class_embed_type": None,
+    "addition_embed_type": None,
+    "addition_time_embed_dim": None,
+    "num_class_embeds": None,
+    "upcast_attention": False,
+    "resnet_time_scale_shift": "default",
+    "resnet_skip_time_act": False,
+    "resnet_out_scale_factor": 1.0,
+    "time_embedding_type": "positional",
+    "time_embedding_dim": None,
+    "time_embedding_act_fn": None,
+    "timestep_post_act": None,
+    "time_cond_proj_dim": None,
+    "conv_in_kernel": 3,
+    "conv_out_kernel": 3,
+    "projection_class_embeddings_input_dim": None,
+    "attention_type": "default",
+    "class_embeddings_concat": False,
+    "mid_block_only_cross_attention": None,
+    "cross_attention_norm": None,
+    "addition_embed_type_num_heads": 64,
+}
+
+# Fields whose value cannot change the math of the blocks sdx builds: they only configure block types
+# sdx rejects anyway (ResnetDownsampleBlock2D, SimpleCrossAttn*, the "text" added embedding).
+_INERT_FIELDS = (
+    "resnet_skip_time_act",
+    "resnet_out_scale_factor",
+    "cross_attention_norm",
+    "mid_block_only_cross_attention",
+    "addition_embed_type_num_heads",
+)
+
+# Fields with the only value(s) sdx implements. Anything else changes the math and is refused.
+_FIXED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "act_fn": ("silu", "swish"),
+    "dropout": (0, 0.0),
+    "resnet_time_scale_shift": ("default",),
+    "time_embedding_type": ("positional",),
+    "time_embedding_act_fn": (None,),
+    "timestep_post_act": (None,),
+    "time_cond_proj_dim": (None,),
+    "class_embed_type": (None,),
+    "num_class_embeds": (None,),
+    "class_embeddings_concat": (False,),
+    "encoder_hid_dim": (None,),
+    "encoder_hid_dim_type": (None,),
+    "attention_type": ("default",),
+    "dual_cross_attention": (False,),
+    "num_attention_heads": (None,),  # diffusers itself refuses it (the naming issue above)
+}
+
+
+def _per_level(name: str, value, n: int, kind) -> tuple:
+    """diffusers' `int or list` fields as an n-tuple; a list of the wrong length names the field."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise SdxError(f"unet config: {name} has {len(value)} entries but there are {n} levels (block_out_channels)")
+        return tuple(kind(v) for v in value)
+    return (kind(value),) * n
+
+
+def _layer_counts(name: str, value) -> LayerCounts:
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    if value is None:
+        raise SdxError(f"unet config: {name} has a null entry")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class UNetConfig:
+    """What a UNet is. Per-level fields have one entry per entry of `block_out_channels`.
+
+    num_attention_heads: heads per level (diffusers' `attention_head_dim`); head size = channels // heads.
+    transformer_layers_per_block: per level, the BasicTransformerBlock count of each Transformer2DModel:
+        one int for the whole level, or a tuple with one int per resnet of the down block.
+    reverse_transformer_layers_per_block: the up blocks' counts (first entry = deepest level), needed
+        only when a level of `transformer_layers_per_block` is a tuple (asymmetric UNets like SSD-1B).
+    addition_embed_type: None, or "text_time" (SDXL: pooled text embedding + sinusoidal `time_ids`).
+    upcast_attention: kept for round-tripping; sdx always computes attention logits and softmax in
+        float32, which is what diffusers' flag asks for.
+    sample_size: the latent resolution the model was trained at (default image size = 8 x this).
+    """
+
+    in_channels: int = 4
+    out_channels: int = 4
+    block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    down_block_types: tuple[str, ...] = (CROSS_DOWN, CROSS_DOWN, CROSS_DOWN, PLAIN_DOWN)
+    up_block_types: tuple[str, ...] = (PLAIN_UP, CROSS_UP, CROSS_UP, CROSS_UP)
+    mid_block_type: str | None = CROSS_MID
+    layers_per_block: tuple[int, ...] = (2, 2, 2, 2)
+    transformer_layers_per_block: tuple[LayerCounts, ...] = (1, 1, 1, 1)
+    reverse_transformer_layers_per_block: tuple[LayerCounts, ...] | None = None
+    num_attention_heads: tuple[int, ...] = (8, 8, 8, 8)
+    cross_attention_dim: tuple[int, ...] = (768, 768, 768, 768)
+    only_cross_attention: tuple[bool, ...] = (False, False, False, False)
+    use_linear_projection: bool = False
+    upcast_attention: bool = False
+    norm_num_groups: int = 32
+    norm_eps: float = 1e-5
+    downsample_padding: int = 1
+    mid_block_scale_factor: float = 1.0
+    center_input_sample: bool = False
+    conv_in_kernel: int = 3
+    conv_out_kernel: int = 3
+    flip_sin_to_cos: bool = True
+    freq_shift: float = 0
+    time_embedding_dim: int | None = None
+    addition_embed_type: str | None = None
+    addition_time_embed_dim: int | None = None
+    projection_class_embeddings_input_dim: int | None = None
+    sample_size: int | tuple[int, int] | None = None
+
+    def __post_init__(self):
+        n = len(self.block_out_channels)
+        for name in ("down_block_types", "up_block_types", "layers_per_block", "transformer_layers_per_block",
+                     "num_attention_heads", "cross_attention_dim", "only_cross_attention"):
+            if len(getattr(self, name)) != n:
+                raise SdxError(f"unet config: {name} has {len(getattr(self, name))} entries, block_out_channels has {n}")
+        for name, allowed in (("down_block_types", (CROSS_DOWN, PLAIN_DOWN)), ("up_block_types", (CROSS_UP, PLAIN_UP))):
+            for t in getattr(self, name):
+                if t not in allowed:
+                    raise SdxError(f"unet config: {name} entry {t!r} is not implemented in sdx (only {', '.join(allowed)})")
+        if self.mid_block_type not in (CROSS_MID, PLAIN_MID, None):
+            raise SdxError(
+                f"unet config: mid_block_type {self.mid_block_type!r} is not implemented in sdx "
+                f"(only {CROSS_MID}, {PLAIN_MID} or null)"
+            )
+        if self.addition_embed_type not in (None, "text_time"):
+            raise SdxError(
+                f"unet config: addition_embed_type {self.addition_embed_type!r} is not implemented in sdx "
+                "(only null or 'text_time')"
+            )
+        if self.addition_embed_type == "text_time" and (
+            not self.addition_time_embed_dim or not self.projection_class_embeddings_input_dim
+        ):
+            raise SdxError(
+                "unet config: addition_embed_type 'text_time' needs addition_time_embed_dim and "
+                "projection_class_embeddings_input_dim"
+            )
+        if self.downsample_padding not in (0, 1):
+            raise SdxError(f"unet config: downsample_padding {self.downsample_padding} is not implemented (only 0 or 1)")
+        for name in ("conv_in_kernel", "conv_out_kernel"):
+            k = getattr(self, name)
+            if k < 1 or k % 2 == 0:
+                raise SdxError(f"unet config: {name} {k} is not implemented (odd kernel sizes only)")
+        for c, heads, t in zip(self.block_out_channels, self.num_attention_heads, self.down_block_types):
+            if c % self.norm_num_groups:
+                raise SdxError(f"unet config: block_out_channels {c} is not divisible by norm_num_groups {self.norm_num_groups}")
+            if t == CROSS_DOWN and (heads < 1 or c % heads):
+                raise SdxError(f"unet config: {c} channels do not split into num_attention_heads (attention_head_dim) {heads}")
+        asymmetric = any(isinstance(x, tuple) for x in self.transformer_layers_per_block)
+        if asymmetric and self.reverse_transformer_layers_per_block is None:
+            raise SdxError(
+                "unet config: transformer_layers_per_block has per-layer lists; "
+                "reverse_transformer_layers_per_block must then be given (as diffusers requires)"
+            )
+        if self.reverse_transformer_layers_per_block is not None and len(self.reverse_transformer_layers_per_block) != n:
+            raise SdxError(f"unet config: reverse_transformer_layers_per_block needs {n} entries")
+        for i in range(n):  # every per-layer list matches its block's resnet count
+            self.down_transformer_layers(i)
+            self.up_transformer_layers(i)
+
+    # ---- derived quantities --------------------------------------------------------------------
+
+    @property
+    def levels(self) -> int:
+        return len(self.block_out_channels)
+
+    @property
+    def time_embed_dim(self) -> int:
+        return self.time_embedding_dim or 4 * self.block_out_channels[0]
+
+    @property
+    def downscale_factor(self) -> int:
+        """How much the UNet shrinks the latent at its deepest level (2 ** number of downsamplers)."""
+        return 2 ** (self.levels - 1)
+
+    def down_transformer_layers(self, level: int) -> tuple[int, ...]:
+        """BasicTransformerBlock count of each Transformer2DModel of down block `level`."""
+        return self._expand("transformer_layers_per_block", self.transformer_layers_per_block[level], self.layers_per_block[level])
+
+    def up_transformer_layers(self, i: int) -> tuple[int, ...]:
+        """Same for up block `i` (i = 0 is the deepest level)."""
+        n = self.layers_per_block[::-1][i] + 1
+        if self.reverse_transformer_layers_per_block is None:
+            return self._expand("transformer_layers_per_block", self.transformer_layers_per_block[::-1][i], n)
+        return self._expand("reverse_transformer_layers_per_block", self.reverse_transformer_layers_per_block[i], n)
+
+    def mid_transformer_layers(self) -> int:
+        last = self.transformer_layers_per_block[-1]
+        return last[0] if isinstance(last, tuple) else last
+
+    @staticmethod
+    def _expand(name: str, value: LayerCounts, n: int) -> tuple[int, ...]:
+        if isinstance(value, int):
+            return (value,) * n
+        if len(value) != n:
+            raise SdxError(f"unet config: {name} entry {list(value)} needs one count per resnet ({n})")
+        return value
+
+    # ---- diffusers config.json ----------------------------------------------------------------
+
+    @classmethod
+    def from_diffusers_config(cls, d: Mapping[str, Any]) -> UNetConfig:
+        """From a diffusers `unet/config.json` dict (missing fields take diffusers' defaults)."""
+        class_name = d.get("_class_name")
+        if class_name not in (None, "UNet2DConditionModel", "FlaxUNet2DConditionModel"):
+            raise SdxError(f"unet config: _class_name {class_name!r} is not a UNet2DConditionModel")
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in DIFFUSERS_DEFAULTS)
+        if unknown:
+            raise SdxError(
+                f"unet config: unknown field(s) {', '.join(unknown)}; sdx cannot tell whether they change the "
+                "model (written by a newer diffusers?)"
+            )
+        f = {**DIFFUSERS_DEFAULTS, **{k: v for k, v in d.items() if not k.startswith("_")}}
+        for name, allowed in _FIXED_FIELDS.items():
+            if f[name] not in allowed:
+                raise SdxError(
+                    f"unet config: {name}={f[name]!r} is not implemented in sdx "
+                    f"(supported: {', '.join(repr(a) for a in allowed)})"
+                )
+        if f["norm_num_groups"] is None:
+            raise SdxError("unet config: norm_num_groups=None (no output norm) is not implemented in sdx")
+        boc = tuple(int(c) for c in f["block_out_channels"])
+        n = len(boc)
+        strip = lambda t: t[7:] if isinstance(t, str) and t.startswith("UNetRes") else t  # diffusers' alias
+        heads = f["attention_head_dim"]
+        if heads is None or (isinstance(heads, (list, tuple)) and any(h is None for h in heads)):
+            raise SdxError("unet config: attention_head_dim=None is not implemented (heads must be given per level)")
+        tlpb = f["transformer_layers_per_block"]
+        tlpb = tuple(_layer_counts("transformer_layers_per_block", v) for v in tlpb) if isinstance(tlpb, (list, tuple)) else (int(tlpb),) * n
+        if len(tlpb) != n:
+            raise SdxError(f"unet config: transformer_layers_per_block has {len(tlpb)} entries but there are {n} levels")
+        rev = f["reverse_transformer_layers_per_block"]
+        if rev is not None:
+            rev = tuple(_layer_counts("reverse_transformer_layers_per_block", v) for v in rev)
+        upcast = f["upcast_attention"]
+        return cls(
+            in_channels=int(f["in_channels"]),
+            out_channels=int(f["out_channels"]),
+            block_out_channels=boc,
+            down_block_types=tuple(strip(t) for t in f["down_block_types"]),
+            up_block_types=tuple(strip(t) for t in f["up_block_types"]),
+            mid_block_type=f["mid_block_type"],
+            layers_per_block=_per_level("layers_per_block", f["layers_per_block"], n, int),
+            transformer_layers_per_block=tlpb,
+            reverse_transformer_layers_per_block=rev,
+            num_attention_heads=_per_level("attention_head_dim", heads, n, int),
+            cross_attention_dim=_per_level("cross_attention_dim", f["cross_attention_dim"], n, int),
+            only_cross_attention=_per_level("only_cross_attention", f["only_cross_attention"], n, bool),
+            use_linear_projection=bool(f["use_linear_projection"]),
+            upcast_attention=bool(upcast),
+            norm_num_groups=int(f["norm_num_groups"]),
+            norm_eps=float(f["norm_eps"]),
+            downsample_padding=int(f["downsample_padding"]),
+            mid_block_scale_factor=float(f["mid_block_scale_factor"]),
+            center_input_sample=bool(f["center_input_sample"]),
+            conv_in_kernel=int(f["conv_in_kernel"]),
+            conv_out_kernel=int(f["conv_out_kernel"]),
+            flip_sin_to_cos=bool(f["flip_sin_to_cos"]),
+            freq_shift=f["freq_shift"],
+            time_embedding_dim=f["time_embedding_dim"],
+            addition_embed_type=f["addition_embed_type"],
+            addition_time_embed_dim=f["addition_time_embed_dim"],
+            projection_class_embeddings_input_dim=f["projection_class_embeddings_input_dim"],
+            sample_size=tuple(f["sample_size"]) if isinstance(f["sample_size"], (list, tuple)) else f["sample_size"],
+        )
+
+    def to_diffusers_config(self) -> dict[str, Any]:
+        """A complete diffusers `unet/config.json` dict (`UNet2DConditionModel(**d)` accepts it without `_` keys)."""
+        lists = lambda xs: [list(x) if isinstance(x, tuple) else x for x in xs]
+        d = dict(DIFFUSERS_DEFAULTS)
+        d.update(
+            in_channels=self.in_channels,
+            out_channels=self.out_channels,
+            block_out_channels=list(self.block_out_channels),
+            down_block_types=list(self.down_block_types),
+            up_block_types=list(self.up_block_types),
+            mid_block_type=self.mid_block_type,
+            layers_per_block=list(self.layers_per_block),
+            transformer_layers_per_block=lists(self.transformer_layers_per_block),
+            reverse_transformer_layers_per_block=(
+                None if self.reverse_transformer_layers_per_block is None else lists(self.reverse_transformer_layers_per_block)
+            ),
+            attention_head_dim=list(self.num_attention_heads),
+            cross_attention_dim=list(self.cross_attention_dim),
+            only_cross_attention=list(self.only_cross_attention),
+            use_linear_projection=self.use_linear_projection,
+            upcast_attention=self.upcast_attention,
+            norm_num_groups=self.norm_num_groups,
+            norm_eps=self.norm_eps,
+            downsample_padding=self.downsample_padding,
+            mid_block_scale_factor=self.mid_block_scale_factor,
+            center_input_sample=self.center_input_sample,
+            conv_in_kernel=self.conv_in_kernel,
+            conv_out_kernel=self.conv_out_kernel,
+            flip_sin_to_cos=self.flip_sin_to_cos,
+            freq_shift=self.freq_shift,
+            time_embedding_dim=self.time_embedding_dim,
+            addition_embed_type=self.addition_embed_type,
+            addition_time_embed_dim=self.addition_time_embed_dim,
+            projection_class_embeddings_input_dim=self.projection_class_embeddings_input_dim,
+            sample_size=list(self.sample_size) if isinstance(self.sample_size, tuple) else self.sample_size,
+        )
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {"_class_name": "UNet2DConditionModel", **d}
+
+    # ---- sdx's own JSON -----------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: field name -> value, tuples as lists."""
+        def plain(v):
+            return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> UNetConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise SdxError(f"unet config: unknown field(s) {', '.join(unknown)} in the sdx config")
+
+        def tup(v):
+            return tuple(tup(x) for x in v) if isinstance(v, (list, tuple)) else v
+        return cls(**{k: tup(v) for k, v in d.items()})
+
+    @classmethod
+    def preset(cls, name: str) -> UNetConfig:
+        if name not in PRESETS:
+            raise SdxError(f"unknown unet preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
+        return PRESETS[name]
+
+
+# --------------------------------------------------------------------------------------------------
+# Presets: the unet/config.json of the released checkpoints, normalised.
+# --------------------------------------------------------------------------------------------------
+
+# runwayml/stable-diffusion-v1-5 (and CompVis v1-1..v1-4): 8 heads everywhere, conv proj_in/proj_out.
+SD15 = UNetConfig(sample_size=64)
+# timbrooks/instruct-pix2pix: SD 1.5 with 8 input channels (noisy latent + image latent).
+PIX2PIX = dataclasses.replace(SD15, in_channels=8)
+# stabilityai/stable-diffusion-2-1 (768-v; 2-base/2-1-base differ only in sample_size 64 and upcast):
+# 64-wide heads, linear proj_in/proj_out, OpenCLIP-H context (1024).
+SD21 = dataclasses.replace(
+    SD15, num_attention_heads=(5, 10, 20, 20), cross_attention_dim=(1024,) * 4, use_linear_projection=True,
+    upcast_attention=True, sample_size=96,
+)
+# stabilityai/stable-diffusion-xl-base-1.0: three levels, 1/2/10 transformer layers, 2048 context
+# (CLIP-L 768 + OpenCLIP-bigG 1280), added conditioning 1280 pooled + 6 time ids x 256 = 2816.
+SDXL_BASE = UNetConfig(
+    block_out_channels=(320, 640, 1280),
+    down_block_types=(PLAIN_DOWN, CROSS_DOWN, CROSS_DOWN),
+    up_block_types=(CROSS_UP, CROSS_UP, PLAIN_UP),
+    layers_per_block=(2, 2, 2),
+    transformer_layers_per_block=(1, 2, 10),
+    num_attention_heads=(5, 10, 20),
+    cross_attention_dim=(2048,) * 3,
+    only_cross_attention=(False,) * 3,
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816,
+    sample_size=128,
+)
+# stabilityai/stable-diffusion-xl-refiner-1.0 (SGM sd_xl_refiner.yaml: model_channels 384, channel_mult
+# 1,2,4,4, num_head_channels 64, attention at levels 1-2, transformer_depth 4, context 1280 = bigG only,
+# adm 2560 = 1280 pooled + 5 time ids x 256).
+SDXL_REFINER = UNetConfig(
+    block_out_channels=(384, 768, 1536, 1536),
+    down_block_types=(PLAIN_DOWN, CROSS_DOWN, CROSS_DOWN, PLAIN_DOWN),
+    up_block_types=(PLAIN_UP, CROSS_UP, CROSS_UP, PLAIN_UP),
+    layers_per_block=(2, 2, 2, 2),
+    transformer_layers_per_block=(4, 4, 4, 4),
+    num_attention_heads=(6, 12, 24, 24),
+    cross_attention_dim=(1280,) * 4,
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2560,
+    sample_size=128,
+)
+# The shapes of diffusers' own tiny test UNets (hf-internal-testing/tiny-stable-diffusion-pipe and the
+# SDXL pipeline tests): 32/64 channels, context 32 (one tiny CLIP) or 64 (two, concatenated), SDXL-style
+# added conditioning 32 pooled + 6 x 8 = 80.
+TINY = UNetConfig(
+    block_out_channels=(32, 64),
+    down_block_types=(PLAIN_DOWN, CROSS_DOWN),
+    up_block_types=(CROSS_UP, PLAIN_UP),
+    layers_per_block=(2, 2),
+    transformer_layers_per_block=(1, 1),
+    num_attention_heads=(2, 4),
+    cross_attention_dim=(32, 32),
+    only_cross_attention=(False, False),
+    sample_size=32,
+)
+TINY_XL = dataclasses.replace(
+    TINY,
+    transformer_layers_per_block=(1, 2),
+    cross_attention_dim=(64, 64),
+    use_linear_projection=True,
+    addition_embed_type="text_time",
+    addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=80,
+)
+
+PRESETS: dict[str, UNetConfig] = {
+    "sd15": SD15,
+    "sd21": SD21,
+    "sd21_v": SD21,
+    "sdxl_base": SDXL_BASE,
+    "sdxl_refiner": SDXL_REFINER,
+    "pix2pix": PIX2PIX,
+    "tiny": TINY,
+    "tiny_xl": TINY_XL,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------------
+
+
+def _transformers(cp, c: UNetConfig, channels: int, level: int, counts, *, only_cross: bool, rngs) -> nnx.List:
+    heads = c.num_attention_heads[level]
+    return nnx.List([
+        Transformer2DModel(
+            cp, channels, heads=heads, head_dim=channels // heads, context_dim=c.cross_attention_dim[level],
+            layers=n, groups=c.norm_num_groups, use_linear_projection=c.use_linear_projection,
+            only_cross_attention=only_cross, rngs=rngs,
+        )
+        for n in counts
+    ])
+
+
+class DownBlock2D(nnx.Module):
+    """diffusers' DownBlock2D, or CrossAttnDownBlock2D when `cross` (a Transformer2DModel after each resnet).
+
+    Returns the output and the skip connections it leaves for the up path (one per resnet, plus the
+    downsampled output).
+    """
+
+    def __init__(self, cp: Compute, c: UNetConfig, level: int, cin: int, *, rngs: nnx.Rngs):
+        cout, layers = c.block_out_channels[level], c.layers_per_block[level]
+        self.resnets = nnx.List([
+            ResnetBlock2D(cp, cin if i == 0 else cout, cout, temb_channels=c.time_embed_dim,
+                          groups=c.norm_num_groups, eps=c.norm_eps, rngs=rngs)
+            for i in range(layers)
+        ])
+        self.attentions = (
+            _transformers(cp, c, cout, level, c.down_transformer_layers(level),
+                          only_cross=c.only_cross_attention[level], rngs=rngs)
+            if c.down_block_types[level] == CROSS_DOWN else None
+        )
+        last = level == c.levels - 1
+        self.downsamplers = None if last else nnx.List([Downsample2D(cp, cout, padding=c.downsample_padding, rngs=rngs)])
+
+    def __call__(self, x, temb, context):
+        skips = []
+        for i, resnet in enumerate(self.resnets):
+            x = resnet(x, temb)
+            if self.attentions is not None:
+                x = self.attentions[i](x, context)
+            skips.append(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+            skips.append(x)
+        return x, tuple(skips)
+
+
+class MidBlock2D(nnx.Module):
+    """UNetMidBlock2DCrossAttn (resnet, transformer, resnet) or UNetMidBlock2D (one resnet)."""
+
+    def __init__(self, cp: Compute, c: UNetConfig, *, rngs: nnx.Rngs):
+        ch = c.block_out_channels[-1]
+        cross = c.mid_block_type == CROSS_MID
+        self.resnets = nnx.List([
+            ResnetBlock2D(cp, ch, ch, temb_channels=c.time_embed_dim, groups=c.norm_num_groups, eps=c.norm_eps,
+                          output_scale_factor=c.mid_block_scale_factor, rngs=rngs)
+            for _ in range(2 if cross else 1)
+        ])
+        self.attentions = (
+            _transformers(cp, c, ch, c.levels - 1, (c.mid_transformer_layers(),), only_cross=False, rngs=rngs)
+            if cross else None
+        )
+
+    def __call__(self, x, temb, context):
+        x = self.resnets[0](x, temb)
+        if self.attentions is not None:
+            x = self.resnets[1](self.attentions[0](x, context), temb)
+        return x
+
+
+def _nearest_resize(x, size: tuple[int, int]):
+    """torch F.interpolate(mode='nearest', size=size) on NHWC: source index floor(dst * in/out)."""
+    def index(n_in, n_out):
+        scale = np.float32(n_in / n_out)
+        return np.minimum(np.floor(np.arange(n_out, dtype=np.float32) * scale).astype(np.int32), n_in - 1)
+    return x[:, index(x.shape[1], size[0])][:, :, index(x.shape[2], size[1])]
+
+
+class UpBlock2D(nnx.Module):
+    """diffusers' UpBlock2D, or CrossAttnUpBlock2D when `cross`: each resnet eats one skip connection."""
+
+    def __init__(self, cp: Compute, c: UNetConfig, i: int, *, rngs: nnx.Rngs):
+        rev = c.block_out_channels[::-1]
+        n = c.levels
+        cout, cin, prev = rev[i], rev[min(i + 1, n - 1)], rev[max(i - 1, 0)]
+        layers = c.layers_per_block[::-1][i] + 1
+        self.resnets = nnx.List([
+            ResnetBlock2D(
+                cp, (prev if j == 0 else cout) + (cin if j == layers - 1 else cout), cout,
+                temb_channels=c.time_embed_dim, groups=c.norm_num_groups, eps=c.norm_eps, rngs=rngs,
+            )
+            for j in range(layers)
+        ])
+        self.attentions = (
+            _transformers(cp, c, cout, n - 1 - i, c.up_transformer_layers(i),
+                          only_cross=c.only_cross_attention[::-1][i], rngs=rngs)
+            if c.up_block_types[i] == CROSS_UP else None
+        )
+        self.upsamplers = None if i == n - 1 else nnx.List([Upsample2D(cp, cout, rngs=rngs)])
+
+    def __call__(self, x, skips, temb, context, upsample_size: tuple[int, int] | None = None):
+        for j, resnet in enumerate(self.resnets):
+            x = jnp.concatenate([x, skips[-1 - j]], axis=-1)  # (B, H, W, C + C_skip), diffusers' order
+            x = resnet(x, temb)
+            if self.attentions is not None:
+                x = self.attentions[j](x, context)
+        if self.upsamplers is not None:
+            up = self.upsamplers[0]
+            if upsample_size is None:
+                x = up(x)
+            else:  # an odd size upstream: match the skip's size exactly, as diffusers does
+                x = up.conv(_nearest_resize(x, upsample_size))
+        return x
+
+
+# --------------------------------------------------------------------------------------------------
+# The model
+# --------------------------------------------------------------------------------------------------
+
+
+class UNet2DConditionModel(nnx.Module):
+    """eps/v prediction network. sample (B, H, W, C_in) NHWC -> (B, H, W, C_out) in `cp.dtype`.
+
+    H and W need not be multiples of `config.downscale_factor` (odd sizes are upsampled back to the
+    skip connection's size, as in diffusers).
+    """
+
+    def __init__(self, config: UNetConfig, cp: Compute = F32, *, rngs: nnx.Rngs):
+        c = self.config = config
+        self.remat = cp.remat
+        self.dtype = cp.dtype
+        boc = c.block_out_channels
+        self.conv_in = conv(cp, c.in_channels, boc[0], c.conv_in_kernel, rngs=rngs)
+        self.time_embedding = TimestepEmbedding(cp, boc[0], c.time_embed_dim, rngs=rngs)
+        self.add_embedding = (
+            TimestepEmbedding(cp, c.projection_class_embeddings_input_dim, c.time_embed_dim, rngs=rngs)
+            if c.addition_embed_type == "text_time" else None
+        )
+        cins = (boc[0],) + boc[:-1]
+        self.down_blocks = nnx.List([DownBlock2D(cp, c, i, cins[i], rngs=rngs) for i in range(c.levels)])
+        self.mid_block = MidBlock2D(cp, c, rngs=rngs) if c.mid_block_type is not None else None
+        self.up_blocks = nnx.List([UpBlock2D(cp, c, i, rngs=rngs) for i in range(c.levels)])
+        self.conv_norm_out = GroupNorm(cp, boc[0], c.norm_num_groups, c.norm_eps, rngs=rngs)
+        self.conv_out = conv(cp, boc[0], c.out_channels, c.conv_out_kernel, rngs=rngs)
+
+    def _embed(self, timesteps, batch: int, added_cond) -> jax.Array:
+        c = self.config
+        t = jnp.asarray(timesteps).reshape(-1)
+        if t.shape[0] not in (1, batch):
+            raise SdxError(f"unet: {t.shape[0]} timesteps for a batch of {batch} (give one, or one per sample)")
+        t = jnp.broadcast_to(t, (batch,))
+        emb = self.time_embedding(
+            timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
+        )
+        if self.add_embedding is None:
+            return emb
+        if not added_cond or "text_embeds" not in added_cond or "time_ids" not in added_cond:
+            raise SdxError(
+                "unet: this model (addition_embed_type 'text_time', SDXL) needs added_cond="
+                "{'text_embeds': (B, P), 'time_ids': (B, N)}"
+            )
+        text, time_ids = added_cond["text_embeds"], added_cond["time_ids"]
+        got = text.shape[-1] + time_ids.shape[-1] * c.addition_time_embed_dim
+        if got != c.projection_class_embeddings_input_dim or text.shape[0] != batch or time_ids.shape[0] != batch:
+            raise SdxError(
+                f"unet: text_embeds {tuple(text.shape)} and time_ids {tuple(time_ids.shape)} give "
+                f"{got} conditioning features; this model takes {c.projection_class_embeddings_input_dim} "
+                f"for a batch of {batch} (base SDXL: 6 time ids, refiner: 5)"
+            )
+        time_emb = timestep_embedding(
+            time_ids.reshape(-1), c.addition_time_embed_dim, flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift
+        ).reshape(batch, -1)  # (B, N * addition_time_embed_dim)
+        add = jnp.concatenate([text.astype(jnp.float32), time_emb], axis=-1)  # (B, projection dim)
+        return emb + self.add_embedding(add)
+
+    def _run(self, block, *args, **static):
+        """Call a block, rematerialised in the backward pass when `cp.remat` (static args by closure)."""
+        if self.remat:
+            return nnx.remat(lambda b, *a: b(*a, **static))(block, *args)
+        return block(*args, **static)
+
+    def __call__(
+        self,
+        sample: jax.Array,
+        timesteps: jax.Array | float | int,
+        encoder_hidden_states: jax.Array,
+        added_cond: Mapping[str, jax.Array] | None = None,
+    ) -> jax.Array:
+        """sample (B, H, W, C_in); timesteps () or (B,); encoder_hidden_states (B, S, D);
+        added_cond {"text_embeds": (B, P), "time_ids": (B, N)} for SDXL. -> (B, H, W, C_out)."""
+        c = self.config
+        if sample.ndim != 4 or sample.shape[-1] != c.in_channels:
+            raise SdxError(f"unet: sample must be (B, H, W, {c.in_channels}) NHWC, got {tuple(sample.shape)}")
+        b, hh, ww = sample.shape[:3]
+        x = sample.astype(self.dtype)
+        if c.center_input_sample:
+            x = 2 * x - 1.0
+        temb = self._embed(timesteps, b, added_cond)
+        ctx = encoder_hidden_states
+        x = self.conv_in(x)
+
+        skips: tuple = (x,)
+        for block in self.down_blocks:
+            x, res = self._run(block, x, temb, ctx)
+            skips += res
+        if self.mid_block is not None:
+            x = self._run(self.mid_block, x, temb, ctx)
+
+        odd = hh % c.downscale_factor or ww % c.downscale_factor
+        for i, block in enumerate(self.up_blocks):
+            n = len(block.resnets)
+            res, skips = skips[-n:], skips[:-n]
+            size = tuple(skips[-1].shape[1:3]) if odd and i < len(self.up_blocks) - 1 else None
+            x = self._run(block, x, res, temb, ctx, upsample_size=size)
+
+        x = jax.nn.silu(self.conv_norm_out(x))
+        return self.conv_out(x)

@@ -1,0 +1,91 @@
+"""Every attention backend equals the plain one (and the plain one equals textbook attention)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sdx.attention import dot_product_attention
+
+
+def _qkv(b=2, tq=37, tk=29, h=3, d=8, seed=0, dtype=jnp.float32):
+    r = np.random.default_rng(seed)
+    make = lambda t: jnp.asarray(r.standard_normal((b, t, h, d)), dtype=dtype)
+    return make(tq), make(tk), make(tk)
+
+
+def _numpy_attention(q, k, v, scale, causal=False):
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    logits = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        tq, tk = q.shape[1], k.shape[1]
+        logits = np.where(np.tril(np.ones((tq, tk), bool), k=tk - tq), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", w, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_xla_is_textbook_attention(causal):
+    q, k, v = _qkv(tq=29)
+    for scale in (None, 0.3):
+        out = dot_product_attention(q, k, v, backend="xla", causal=causal, scale=scale)
+        ref = _numpy_attention(q, k, v, 1 / math.sqrt(q.shape[-1]) if scale is None else scale, causal)
+        np.testing.assert_allclose(np.asarray(out), ref, atol=2e-6)
+
+
+def test_xla_bfloat16_inputs_keep_float32_softmax():
+    q, k, v = _qkv(dtype=jnp.bfloat16)
+    out = dot_product_attention(q, k, v, backend="xla")
+    assert out.dtype == jnp.bfloat16
+    ref = _numpy_attention(q, k, v, 1 / math.sqrt(q.shape[-1]))
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
+
+
+@pytest.mark.parametrize("tq, chunk", [(37, 16), (32, 16), (12, 16)])  # ragged last chunk, exact, one chunk
+def test_chunked_equals_xla(tq, chunk):
+    q, k, v = _qkv(tq=tq)
+    ref = dot_product_attention(q, k, v, backend="xla")
+    out = dot_product_attention(q, k, v, backend="chunked", chunk_size=chunk)
+    assert out.shape == ref.shape
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
+
+
+def test_chunked_gradient_equals_xla():
+    q, k, v = _qkv(tq=37)
+    loss = lambda backend: lambda q, k, v: jnp.sum(
+        jnp.sin(dot_product_attention(q, k, v, backend=backend, chunk_size=16))
+    )
+    g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    g = jax.jit(jax.grad(loss("chunked"), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_chunked_refuses_causal():
+    q, k, v = _qkv(tq=37)
+    with pytest.raises(ValueError, match="causal"):
+        dot_product_attention(q, k, v, backend="chunked", causal=True, chunk_size=16)
+
+
+def test_unknown_backend_is_named():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="flash"):
+        dot_product_attention(q, k, v, backend="flash")
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason=f"the cudnn backend needs an NVIDIA GPU; JAX's default backend here is {jax.default_backend()!r}",
+)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_cudnn_equals_xla(dtype):
+    # cuDNN flash attention: half-precision inputs, head_dim a multiple of 8; UNet-like shapes
+    # (self-attention over 256 latent tokens, cross-attention over 77 text tokens).
+    for tk in (256, 77):
+        q, k, v = _qkv(b=2, tq=256, tk=tk, h=5, d=64, dtype=dtype)
+        ref = dot_product_attention(q, k, v, backend="xla")
+        out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, backend="cudnn"))(q, k, v)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)

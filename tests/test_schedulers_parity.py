@@ -1,0 +1,265 @@
+"""Every sdx sampler against diffusers' PyTorch scheduler: same config, same closed-loop "model", same
+injected noise; timesteps, sigmas, init_noise_sigma and every intermediate sample must agree in float32.
+
+The big grid runs eagerly (no compilation per cell); `test_jit_loop_no_recompile` runs a few cells inside
+one jitted `lax.fori_loop` and checks that new input values do not recompile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import itertools
+from types import SimpleNamespace
+from unittest import mock
+
+import diffusers
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionXLImg2ImgPipeline
+
+from sdx import schedulers
+from sdx.schedulers import DDIM, DDPM, PNDM, DPMSolverMultistep, Euler, EulerAncestral, Heun, LMS, UniPC
+
+RTOL = 1e-5  # max |ours - diffusers| / max |diffusers|, per intermediate sample
+SHAPE = (2, 4, 4, 3)
+PHASE = np.linspace(0, 3, int(np.prod(SHAPE)), dtype=np.float32).reshape(SHAPE)
+SD = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}
+
+
+def model(x, t):
+    """A deterministic stand-in for the UNet: depends on the (scaled) sample and the timestep."""
+    x = np.asarray(x, np.float32)
+    return (0.5 * np.tanh(x) + 0.3 * np.cos(np.float32(0.01) * np.float32(t) + PHASE)).astype(np.float32)
+
+
+def model_jax(x, t):
+    return 0.5 * jnp.tanh(x) + 0.3 * jnp.cos(0.01 * t + PHASE)
+
+
+def diffusers_config(sched) -> dict:
+    """The diffusers config dict that describes `sched` (our fields are diffusers' names)."""
+    cfg = {f.name: getattr(sched, f.name) for f in dataclasses.fields(sched) if f.name != "eta"}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+
+
+def reference(sched, n, x, noises, *, strength=None, denoising_start=None, denoising_end=None, x0=None):
+    """diffusers' scheduler driven the way its (SDXL) pipelines drive it. Returns (scheduler, timesteps run,
+    samples after every call)."""
+    d = getattr(diffusers, sched.diffusers_class).from_config(diffusers_config(sched))
+    d.set_timesteps(n)
+    timesteps = d.timesteps
+    if strength is not None or denoising_start is not None:
+        pipe = SimpleNamespace(scheduler=d)
+        timesteps, _ = StableDiffusionXLImg2ImgPipeline.get_timesteps(pipe, n, strength, "cpu", denoising_start)
+    if denoising_end is not None:  # StableDiffusionXL(Img2Img)Pipeline.__call__, "Apply denoising_end"
+        cutoff = int(round(d.config.num_train_timesteps - denoising_end * d.config.num_train_timesteps))
+        timesteps = timesteps[: len(list(filter(lambda ts: ts >= cutoff, timesteps)))]
+    if x0 is not None and denoising_start is None:
+        sample = d.add_noise(torch.from_numpy(x0), torch.from_numpy(x), timesteps[:1])
+    else:
+        sample = torch.from_numpy(x) * (1.0 if denoising_start is not None else d.init_noise_sigma)
+    module = importlib.import_module(type(d).__module__)
+    call = [0]
+    patch = (mock.patch.object(module, "randn_tensor", lambda *a, **k: torch.from_numpy(noises[call[0]]))
+             if hasattr(module, "randn_tensor") else contextlib.nullcontext())
+    eta = getattr(sched, "eta", 0.0)
+    samples = []
+    with patch:
+        for i, t in enumerate(timesteps):
+            call[0] = i
+            out = torch.from_numpy(model(d.scale_model_input(sample, t).numpy(), t.item()))
+            kwargs = {"eta": eta, "variance_noise": torch.from_numpy(noises[i])} if eta else {}
+            sample = d.step(out, t, sample, **kwargs).prev_sample
+            samples.append(sample.numpy().copy())
+    return d, timesteps.numpy(), np.stack(samples)
+
+
+def ours(sched, n, x, noises, *, begin=0, end=None, x0=None, from_latents=False):
+    state = sched.set_timesteps(n, SHAPE, begin=begin, end=end)
+    if x0 is not None and not from_latents:
+        sample = sched.add_noise(state, jnp.asarray(x0), jnp.asarray(x))
+    else:
+        sample = jnp.asarray(x) * (1.0 if from_latents else state.init_noise_sigma)
+    samples = []
+    for i in range(state.num_calls):
+        out = model(sched.scale_model_input(state, sample), state.timestep)
+        state, sample = sched.step(state, jnp.asarray(out), sample, jnp.asarray(noises[i]))
+        samples.append(np.asarray(sample))
+    return state, np.stack(samples)
+
+
+def rel_err(a, b):
+    axes = tuple(range(1, a.ndim))
+    return float((np.abs(a - b).max(axis=axes) / np.abs(b).max(axis=axes)).max())
+
+
+def inputs(sched, n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(SHAPE, dtype=np.float32)
+    noises = rng.standard_normal((len(sched.timesteps(n)), *SHAPE), dtype=np.float32)
+    return x, noises
+
+
+def check_schedule(sched, d, n):
+    """Host arrays: diffusers' are float32 from torch, whose CPU sqrt is not always correctly rounded, so
+    allow a few float32 ulps."""
+    np.testing.assert_allclose(sched.timesteps(n), d.timesteps.numpy().astype(np.float32), rtol=1e-6, atol=1e-6)
+    if hasattr(d, "sigmas") and "sigmas" in sched.schedule(n):
+        np.testing.assert_allclose(sched.schedule(n)["sigmas"], d.sigmas.numpy(), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(sched.set_timesteps(n, SHAPE).init_noise_sigma),
+                               np.float32(d.init_noise_sigma), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The grid: spacing x prediction type x Karras x zero-SNR x steps, where diffusers' class has the field.
+
+def grid_cells():
+    for cls in (Euler, EulerAncestral, Heun, DDIM, DDPM, PNDM, LMS, DPMSolverMultistep, UniPC):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        karras = (False, True) if "use_karras_sigmas" in fields else (False,)
+        zero_snr = (False, True) if "rescale_betas_zero_snr" in fields else (False,)
+        for spacing, pred, k, z, n in itertools.product(("leading", "trailing", "linspace"), cls.prediction_types,
+                                                        karras, zero_snr, (7, 20)):
+            if z and pred == "epsilon" and cls in (DDIM, DDPM) and spacing != "leading":
+                continue  # no signal at t=999: x0 from epsilon is undefined (an SdxError, tested elsewhere)
+            cfg = {**SD, "timestep_spacing": spacing, "steps_offset": int(spacing == "leading"),
+                   "prediction_type": pred}
+            if "use_karras_sigmas" in fields:
+                cfg["use_karras_sigmas"] = k
+            if "rescale_betas_zero_snr" in fields:
+                cfg["rescale_betas_zero_snr"] = z
+            if "clip_sample" in fields:
+                cfg["clip_sample"] = False
+            yield pytest.param(cls, cfg, n, id=f"{cls.__name__}-{spacing}-{pred}-k{int(k)}-z{int(z)}-{n}")
+
+
+# Fields beyond the grid, per sampler (each cell also runs at 7 and 20 steps).
+EXTRA = {
+    Euler: [{"interpolation_type": "log_linear"}, {"final_sigmas_type": "sigma_min"},
+            {"use_karras_sigmas": True, "sigma_min": 0.1, "sigma_max": 10.0},
+            {"timestep_type": "continuous", "prediction_type": "v_prediction"},
+            {"beta_schedule": "linear", "beta_start": 0.0001, "beta_end": 0.02},
+            {"beta_schedule": "squaredcos_cap_v2", "use_karras_sigmas": True}],
+    EulerAncestral: [{"beta_schedule": "squaredcos_cap_v2"}],
+    Heun: [{"clip_sample": True, "prediction_type": "sample"}, {"beta_schedule": "linear"},
+           {"use_karras_sigmas": True, "sigma_min": 0.05, "sigma_max": 12.0}],
+    DDIM: [{"clip_sample": True, "clip_sample_range": 1.5}, {"set_alpha_to_one": False}, {"eta": 1.0},
+           {"eta": 0.3, "timestep_spacing": "trailing"}, {"beta_schedule": "squaredcos_cap_v2"}],
+    DDPM: [{"variance_type": "fixed_large"}, {"variance_type": "fixed_small_log"},
+           {"clip_sample": True, "prediction_type": "sample"}, {"beta_schedule": "linear"}],
+    PNDM: [{"skip_prk_steps": True}, {"skip_prk_steps": True, "set_alpha_to_one": True},
+           {"skip_prk_steps": False, "prediction_type": "v_prediction", "timestep_spacing": "trailing"},
+           {"skip_prk_steps": True, "timestep_spacing": "linspace", "beta_schedule": "squaredcos_cap_v2"}],
+    LMS: [{"beta_schedule": "linear"}, {"use_karras_sigmas": True, "timestep_spacing": "trailing"}],
+    DPMSolverMultistep: [{"solver_order": 1}, {"solver_order": 3}, {"solver_order": 3, "use_karras_sigmas": True},
+                         {"solver_type": "heun"}, {"lower_order_final": False}, {"euler_at_final": True},
+                         {"final_sigmas_type": "sigma_min"}, {"lambda_min_clipped": -5.1},
+                         {"use_karras_sigmas": True, "sigma_min": 0.1, "sigma_max": 10.0},
+                         {"beta_schedule": "squaredcos_cap_v2", "timestep_spacing": "trailing"},
+                         {"solver_order": 3, "final_sigmas_type": "sigma_min", "lower_order_final": False}],
+    UniPC: [{"solver_order": 1}, {"solver_order": 3}, {"solver_type": "bh1"}, {"predict_x0": False},
+            {"predict_x0": False, "solver_type": "bh1", "prediction_type": "v_prediction"},
+            {"disable_corrector": [0, 2]}, {"lower_order_final": False, "final_sigmas_type": "sigma_min"},
+            {"use_karras_sigmas": True, "final_sigmas_type": "sigma_min"},
+            {"use_karras_sigmas": True, "sigma_min": 0.1, "solver_order": 3}],
+}
+
+
+def extra_cells():
+    for cls, cfgs in EXTRA.items():
+        for j, extra in enumerate(cfgs):
+            for n in (7, 20):
+                cfg = {**SD, "timestep_spacing": "leading", "steps_offset": 1, "clip_sample": False, **extra}
+                yield pytest.param(cls, cfg, n, id=f"{cls.__name__}-extra{j}-{n}")
+
+
+@pytest.mark.parametrize("cls,cfg,n", [*grid_cells(), *extra_cells()])
+def test_trajectory_matches_diffusers(cls, cfg, n):
+    sched = cls.from_config(cfg)
+    x, noises = inputs(sched, n, seed=n)
+    d, timesteps, ref = reference(sched, n, x, noises)
+    check_schedule(sched, d, n)
+    _, got = ours(sched, n, x, noises)
+    assert got.shape == ref.shape
+    assert rel_err(got, ref) < RTOL
+
+
+# ----------------------------------------------------------------------------------------------------------
+# img2img / refiner cuts: strength, denoising_start (with the 2nd-order rule), denoising_end.
+
+CUTS = [dict(strength=0.6), dict(strength=0.35), dict(denoising_start=0.7), dict(denoising_start=0.55),
+        dict(denoising_end=0.8), dict(strength=1.0, denoising_start=0.3, denoising_end=0.8)]
+
+
+@pytest.mark.parametrize("cut", CUTS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("name", list(schedulers.SCHEDULERS))
+def test_img2img_matches_diffusers(name, cut):
+    sched = schedulers.from_name(name, {**SD, "timestep_spacing": "leading", "steps_offset": 1,
+                                        "clip_sample": False, "skip_prk_steps": True})
+    n = 10
+    x, noises = inputs(sched, n, seed=1)
+    # strength: img2img from noised image latents; denoising_start: the refiner continues latents as they are;
+    # denoising_end alone: the SDXL base stops early
+    x0 = np.random.default_rng(2).standard_normal(SHAPE, dtype=np.float32) if "strength" in cut else None
+    refiner = "denoising_start" in cut
+    d, timesteps, ref = reference(sched, n, x, noises, strength=cut.get("strength", 1.0 if refiner else None),
+                                  x0=x0, denoising_start=cut.get("denoising_start"),
+                                  denoising_end=cut.get("denoising_end"))
+    begin, end = schedulers.denoising_range(sched, n, **cut)
+    state, got = ours(sched, n, x, noises, begin=begin, end=end, x0=x0, from_latents=refiner)
+    np.testing.assert_array_equal(np.asarray(state.timesteps), timesteps.astype(np.float32))
+    assert rel_err(got, ref) < RTOL
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inside jit: one compilation, reused when only values change.
+
+@functools.partial(jax.jit, static_argnums=0)
+def run_loop(sched, state, sample, noises):
+    def body(k, carry):
+        state, sample = carry
+        out = model_jax(sched.scale_model_input(state, sample), state.timestep)
+        return sched.step(state, out, sample, noises[k])
+
+    return jax.lax.fori_loop(0, state.num_calls, body, (state, sample))[1]
+
+
+JIT_CELLS = {
+    "euler": {"use_karras_sigmas": True}, "euler_a": {}, "heun": {}, "ddim": {"timestep_spacing": "trailing"},
+    "ddpm": {}, "pndm": {"skip_prk_steps": False}, "lms": {}, "dpmpp_2m_karras": {"solver_order": 3},
+    "unipc": {"prediction_type": "v_prediction"},
+}
+
+
+@pytest.mark.parametrize("name", list(JIT_CELLS))
+def test_jit_loop_no_recompile(name):
+    cfg = {**SD, "timestep_spacing": "leading", "steps_offset": 1, "clip_sample": False, **JIT_CELLS[name]}
+    sched, n = schedulers.from_name(name, cfg), 8
+    x, noises = inputs(sched, n, seed=3)
+    _, _, ref = reference(sched, n, x, noises)
+    state = sched.set_timesteps(n, SHAPE)
+    got = run_loop(sched, state, jnp.asarray(x) * state.init_noise_sigma, jnp.asarray(noises))
+    assert rel_err(np.asarray(got)[None], ref[-1:]) < RTOL
+    compiled = run_loop._cache_size()
+
+    # new sample, new noise, and a state built from another noise schedule of the same shape: no recompile
+    other = schedulers.from_name(name, {**cfg, "beta_end": 0.02}).set_timesteps(n, SHAPE)
+    x2, noises2 = inputs(sched, n, seed=4)
+    again = run_loop(sched, other, jnp.asarray(x2), jnp.asarray(noises2))
+    assert run_loop._cache_size() == compiled
+    assert not np.allclose(np.asarray(again), np.asarray(got))
+
+
+def test_bfloat16_sample_keeps_dtype_and_float32_math():
+    sched = schedulers.from_name("dpmpp_2m", SD)
+    state = sched.set_timesteps(5, SHAPE)
+    sample = jnp.ones(SHAPE, jnp.bfloat16)
+    state, prev = sched.step(state, jnp.ones(SHAPE, jnp.bfloat16), sample)
+    assert prev.dtype == jnp.bfloat16
+    assert all(v.dtype == jnp.float32 for v in jax.tree.leaves(state.history))

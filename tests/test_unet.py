@@ -1,0 +1,334 @@
+"""sdx.unet against diffusers' UNet2DConditionModel, plus the config's contract with diffusers' config.json.
+
+Parity: small random-weight diffusers UNets with every parameter perturbed away from its initial value
+(norm scales not 1, biases not 0), loaded into sdx with the strict mapping, same inputs (NCHW <-> NHWC at
+the boundary), float32; the max abs error must be below 1e-4 x the output's scale (we see ~1e-6).
+"""
+
+import dataclasses
+import inspect
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sdx import unet as U
+from sdx import weights as W
+from sdx.errors import SdxError
+from sdx.layers import Compute
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+
+CA, D = "CrossAttnDownBlock2D", "DownBlock2D"
+CU, UP = "CrossAttnUpBlock2D", "UpBlock2D"
+
+# diffusers-style config dicts (what a unet/config.json holds), each small enough for two CPU cores.
+CASES = {
+    # SD 1.x: one integer attention_head_dim (= heads) for every level, conv proj_in/proj_out.
+    "sd1": dict(
+        block_out_channels=[32, 64], layers_per_block=2, down_block_types=[CA, D], up_block_types=[UP, CU],
+        attention_head_dim=2, cross_attention_dim=24, sample_size=16,
+    ),
+    # SD 2.x: per-level heads, linear projections, upcast_attention, 16 groups.
+    "sd2": dict(
+        block_out_channels=[32, 64, 64], layers_per_block=1, down_block_types=[CA, CA, D],
+        up_block_types=[UP, CU, CU], attention_head_dim=[2, 4, 4], cross_attention_dim=48,
+        use_linear_projection=True, upcast_attention=True, norm_num_groups=16,
+    ),
+    # SDXL: text_time added conditioning, more than one transformer layer per block, per-level heads.
+    "sdxl": dict(
+        block_out_channels=[32, 64, 64], layers_per_block=2, down_block_types=[D, CA, CA],
+        up_block_types=[CU, CU, UP], attention_head_dim=[2, 4, 8], transformer_layers_per_block=[1, 2, 3],
+        cross_attention_dim=64, use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, projection_class_embeddings_input_dim=32 + 6 * 8,
+    ),
+    # InstructPix2Pix: SD 1.5 with 8 input channels (noisy latent + image latent).
+    "pix2pix": dict(
+        in_channels=8, block_out_channels=[32, 64], layers_per_block=1, down_block_types=[CA, D],
+        up_block_types=[UP, CU], attention_head_dim=4, cross_attention_dim=24,
+    ),
+}
+# Every other math-changing field sdx honours, on an odd latent size (diffusers' upsample_size path).
+OPTIONS = dict(
+    block_out_channels=[32, 64], layers_per_block=[1, 2], down_block_types=[CA, CA], up_block_types=[CU, CU],
+    transformer_layers_per_block=[[1], [2, 1]], reverse_transformer_layers_per_block=[[1, 2, 1], [2, 1]],
+    attention_head_dim=[2, 4], cross_attention_dim=[24, 24], only_cross_attention=[True, False],
+    center_input_sample=True, time_embedding_dim=48, conv_in_kernel=1, conv_out_kernel=5, downsample_padding=0,
+    flip_sin_to_cos=False, freq_shift=1, norm_eps=0.1, norm_num_groups=8, mid_block_scale_factor=2.0,
+    out_channels=3,
+)
+for mid in ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D", None):
+    CASES[f"options-mid={mid}"] = dict(OPTIONS, mid_block_type=mid)
+SIZES = {name: (11, 13) if name.startswith("options") else (16, 16) for name in CASES}
+
+
+def _torch_unet(d, seed=0):
+    torch.manual_seed(seed)
+    model = diffusers.UNet2DConditionModel(**{k: v for k, v in d.items() if not k.startswith("_")}).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():  # move every norm scale off 1 and every bias off 0
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _sdx_unet(cfg, torch_model, cp=Compute()):
+    state = {k: v.numpy() for k, v in torch_model.state_dict().items()}
+    return W.load_torch_state(W.abstract(lambda r: U.UNet2DConditionModel(cfg, cp, rngs=r)), state, where="test")
+
+
+def _inputs(cfg, hw, batch=2, seq=7, seed=0):
+    r = np.random.default_rng(seed)
+    x = r.standard_normal((batch, cfg.in_channels, *hw)).astype(np.float32)  # NCHW, as diffusers
+    t = np.array([999.0, 21.0, 500.0][:batch], np.float32)
+    ctx = r.standard_normal((batch, seq, cfg.cross_attention_dim[0])).astype(np.float32)
+    added = None
+    if cfg.addition_embed_type == "text_time":
+        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        added = {
+            "text_embeds": r.standard_normal((batch, pooled)).astype(np.float32),
+            "time_ids": np.array([[1024, 768, 0, 32, 1024, 1024], [512, 512, 16, 0, 768, 1024]][:batch], np.float32),
+        }
+    return x, t, ctx, added
+
+
+def _run_both(torch_model, model, x, t, ctx, added):
+    with torch.no_grad():
+        kw = {k: torch.from_numpy(v) for k, v in added.items()} if added else None
+        ref = torch_model(torch.from_numpy(x), torch.from_numpy(t), torch.from_numpy(ctx), added_cond_kwargs=kw).sample
+    out = nnx.jit(lambda m, *a: m(*a))(
+        model, jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), jnp.asarray(ctx),
+        {k: jnp.asarray(v) for k, v in added.items()} if added else None,
+    )
+    return np.asarray(out).transpose(0, 3, 1, 2), ref.numpy()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_with_diffusers(name):
+    d = CASES[name]
+    cfg = U.UNetConfig.from_diffusers_config(d)
+    torch_model = _torch_unet(d)
+    model = _sdx_unet(cfg, torch_model)
+    out, ref = _run_both(torch_model, model, *_inputs(cfg, SIZES[name]))
+    assert out.shape == ref.shape
+    err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+    print(f"{name}: max abs err {err:.2e} (output scale {scale:.2f})")
+    assert scale > 0.5  # a meaningful output, not something collapsed to zero
+    assert err <= 1e-4 * scale, f"{name}: max abs err {err:.3e} vs output scale {scale:.3f}"
+
+
+def test_scalar_timestep_and_bfloat16_compute():
+    cfg = U.UNetConfig.from_diffusers_config(CASES["sd1"])
+    torch_model = _torch_unet(CASES["sd1"])
+    x, t, ctx, _ = _inputs(cfg, (8, 8))
+    with torch.no_grad():
+        ref = torch_model(torch.from_numpy(x), 321, torch.from_numpy(ctx)).sample.numpy().transpose(0, 2, 3, 1)
+    xs, cs = jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(ctx)
+    out = _sdx_unet(cfg, torch_model)(xs, 321, cs)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-4 * np.abs(ref).max())
+    bf16 = _sdx_unet(cfg, torch_model, Compute(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    out16 = bf16(xs, jnp.array(321.0), cs)
+    assert out16.dtype == jnp.bfloat16
+    rel = np.abs(np.asarray(out16, np.float32) - ref).max() / np.abs(ref).max()
+    assert rel < 5e-2, rel
+
+
+def test_remat_gives_same_output_and_gradient():
+    cfg = U.TINY_XL
+    x, t, ctx, added = _inputs(cfg, (8, 8), seq=5)
+    x = x.transpose(0, 2, 3, 1)
+    models = [U.UNet2DConditionModel(cfg, Compute(remat=r), rngs=nnx.Rngs(0)) for r in (False, True)]
+
+    def loss(m):
+        return jnp.mean(m(x, t, ctx, added) ** 2)
+
+    results = [nnx.jit(nnx.value_and_grad(loss))(m) for m in models]
+    (l0, g0), (l1, g1) = results
+    np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+    flat0, flat1 = jax.tree.leaves(nnx.to_pure_dict(g0)), jax.tree.leaves(nnx.to_pure_dict(g1))
+    assert len(flat0) == len(flat1) > 100
+    for a, b in zip(flat0, flat1):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6, rtol=1e-5)
+    # and remat really is in the backward pass: the traced gradient holds checkpointed blocks
+    jaxpr = str(jax.make_jaxpr(lambda: nnx.value_and_grad(loss)(models[1]))())
+    assert jaxpr.count("checkpoint") + jaxpr.count("remat") >= 2 * cfg.levels + 1
+
+
+def test_added_cond_is_required_and_checked():
+    model = U.UNet2DConditionModel(U.TINY_XL, rngs=nnx.Rngs(0))
+    x, t, ctx, added = _inputs(U.TINY_XL, (8, 8))
+    x = x.transpose(0, 2, 3, 1)
+    with pytest.raises(SdxError, match="added_cond"):
+        model(x, t, ctx)
+    refiner_ids = dict(added, time_ids=added["time_ids"][:, :5])  # 5 refiner ids for a base-style model
+    with pytest.raises(SdxError, match="time_ids"):
+        model(x, t, ctx, refiner_ids)
+    with pytest.raises(SdxError, match="timesteps"):
+        model(x, np.ones(3, np.float32), ctx, added)
+
+
+# ---- config ----------------------------------------------------------------------------------------
+
+# unet/config.json of the released checkpoints (the fields that matter; the rest are diffusers defaults).
+HUB = {
+    "sd15": {  # runwayml/stable-diffusion-v1-5
+        "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.6.0", "act_fn": "silu",
+        "attention_head_dim": 8, "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False,
+        "cross_attention_dim": 768, "down_block_types": [CA, CA, CA, D], "downsample_padding": 1,
+        "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4, "layers_per_block": 2,
+        "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4,
+        "sample_size": 64, "up_block_types": [UP, CU, CU, CU],
+    },
+    "sd21": {  # stabilityai/stable-diffusion-2-1
+        "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.10.0.dev0", "act_fn": "silu",
+        "attention_head_dim": [5, 10, 20, 20], "block_out_channels": [320, 640, 1280, 1280],
+        "center_input_sample": False, "cross_attention_dim": 1024, "down_block_types": [CA, CA, CA, D],
+        "downsample_padding": 1, "dual_cross_attention": False, "flip_sin_to_cos": True, "freq_shift": 0,
+        "in_channels": 4, "layers_per_block": 2, "mid_block_scale_factor": 1, "norm_eps": 1e-05,
+        "norm_num_groups": 32, "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4,
+        "sample_size": 96, "up_block_types": [UP, CU, CU, CU], "upcast_attention": True,
+        "use_linear_projection": True,
+    },
+    "sdxl_base": {  # stabilityai/stable-diffusion-xl-base-1.0
+        "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.19.0.dev0", "act_fn": "silu",
+        "addition_embed_type": "text_time", "addition_embed_type_num_heads": 64, "addition_time_embed_dim": 256,
+        "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280], "center_input_sample": False,
+        "class_embed_type": None, "class_embeddings_concat": False, "conv_in_kernel": 3, "conv_out_kernel": 3,
+        "cross_attention_dim": 2048, "cross_attention_norm": None, "down_block_types": [D, CA, CA],
+        "downsample_padding": 1, "dual_cross_attention": False, "encoder_hid_dim": None,
+        "encoder_hid_dim_type": None, "flip_sin_to_cos": True, "freq_shift": 0, "in_channels": 4,
+        "layers_per_block": 2, "mid_block_only_cross_attention": None, "mid_block_scale_factor": 1,
+        "mid_block_type": "UNetMidBlock2DCrossAttn", "norm_eps": 1e-05, "norm_num_groups": 32,
+        "num_attention_heads": None, "num_class_embeds": None, "only_cross_attention": False, "out_channels": 4,
+        "projection_class_embeddings_input_dim": 2816, "resnet_out_scale_factor": 1.0,
+        "resnet_skip_time_act": False, "resnet_time_scale_shift": "default", "sample_size": 128,
+        "time_cond_proj_dim": None, "time_embedding_act_fn": None, "time_embedding_dim": None,
+        "time_embedding_type": "positional", "timestep_post_act": None, "transformer_layers_per_block": [1, 2, 10],
+        "up_block_types": [CU, CU, UP], "upcast_attention": None, "use_linear_projection": True,
+    },
+    "sdxl_refiner": {  # stabilityai/stable-diffusion-xl-refiner-1.0
+        "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.19.0.dev0", "act_fn": "silu",
+        "addition_embed_type": "text_time", "addition_embed_type_num_heads": 64, "addition_time_embed_dim": 256,
+        "attention_head_dim": [6, 12, 24, 24], "block_out_channels": [384, 768, 1536, 1536],
+        "cross_attention_dim": 1280, "down_block_types": [D, CA, CA, D], "in_channels": 4, "layers_per_block": 2,
+        "mid_block_type": "UNetMidBlock2DCrossAttn", "norm_eps": 1e-05, "norm_num_groups": 32, "out_channels": 4,
+        "projection_class_embeddings_input_dim": 2560, "sample_size": 128, "transformer_layers_per_block": 4,
+        "up_block_types": [UP, CU, CU, UP], "upcast_attention": None, "use_linear_projection": True,
+    },
+    "pix2pix": {  # timbrooks/instruct-pix2pix
+        "_class_name": "UNet2DConditionModel", "_diffusers_version": "0.13.0.dev0", "act_fn": "silu",
+        "attention_head_dim": 8, "block_out_channels": [320, 640, 1280, 1280], "cross_attention_dim": 768,
+        "down_block_types": [CA, CA, CA, D], "in_channels": 8, "layers_per_block": 2, "norm_eps": 1e-05,
+        "norm_num_groups": 32, "out_channels": 4, "sample_size": 64, "up_block_types": [UP, CU, CU, CU],
+        "upcast_attention": False, "use_linear_projection": False,
+    },
+}
+
+
+def test_defaults_table_is_diffusers():
+    params = inspect.signature(diffusers.UNet2DConditionModel.__init__).parameters
+    theirs = {k: p.default for k, p in params.items() if k != "self"}
+    assert U.DIFFUSERS_DEFAULTS == theirs
+
+
+def test_every_diffusers_field_is_accounted_for():
+    honoured = {f.name for f in dataclasses.fields(U.UNetConfig)} - {"num_attention_heads"} | {"attention_head_dim"}
+    fixed, inert = set(U._FIXED_FIELDS), set(U._INERT_FIELDS)
+    assert not (honoured & fixed) and not (honoured & inert) and not (fixed & inert)
+    assert honoured | fixed | inert == set(U.DIFFUSERS_DEFAULTS) | {"num_attention_heads"}
+
+
+@pytest.mark.parametrize("name", list(HUB))
+def test_hub_configs_give_the_presets(name):
+    assert U.UNetConfig.from_diffusers_config(HUB[name]) == U.PRESETS[name]
+
+
+@pytest.mark.parametrize("name", list(U.PRESETS))
+def test_presets_round_trip(name):
+    cfg = U.UNetConfig.preset(name)
+    d = json.loads(json.dumps(cfg.to_diffusers_config()))
+    assert U.UNetConfig.from_diffusers_config(d) == cfg
+    assert U.UNetConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+class _ConstantKeys:
+    """rngs stand-in for shape-only builds: flax 0.12 + jax 0.10 make every traced RNG-counter update
+    scan the whole trace, so `nnx.eval_shape` of full-size SDXL takes over a minute with `nnx.Rngs`."""
+
+    def __getattr__(self, name):
+        return lambda: jax.random.key(0)
+
+
+@pytest.mark.parametrize("name", ["sd15", "sd21", "sdxl_base", "sdxl_refiner", "pix2pix", "tiny", "tiny_xl"])
+def test_preset_parameters_match_diffusers_state_dict(name):
+    """Full-size models: diffusers on the meta device, sdx abstract; every key maps with its shape."""
+    cfg = U.PRESETS[name]
+    with torch.device("meta"):
+        torch_model = diffusers.UNet2DConditionModel(
+            **{k: v for k, v in cfg.to_diffusers_config().items() if not k.startswith("_")}
+        )
+    source = {k: np.broadcast_to(np.float32(0), tuple(v.shape)) for k, v in torch_model.state_dict().items()}
+    abstract = nnx.eval_shape(lambda: U.UNet2DConditionModel(cfg, rngs=_ConstantKeys()))
+    mapped = W.from_torch_keys(W.param_shapes(abstract), source, where=name)  # strict: raises on any mismatch
+    assert len(mapped) == len(source)
+
+
+def test_weights_abstract_matches_fast_abstract():
+    cfg = U.TINY
+    slow = W.param_shapes(W.abstract(lambda r: U.UNet2DConditionModel(cfg, rngs=r)))
+    fast = W.param_shapes(nnx.eval_shape(lambda: U.UNet2DConditionModel(cfg, rngs=_ConstantKeys())))
+    assert slow == fast
+
+
+def test_extra_keys_that_do_not_change_the_math_are_accepted():
+    d = dict(HUB["sd15"], _name_or_path="/x", _use_default_values=["a"], resnet_skip_time_act=True,
+             cross_attention_norm="group_norm", mid_block_only_cross_attention=True, sample_size=[64, 96])
+    cfg = U.UNetConfig.from_diffusers_config(d)
+    assert cfg.sample_size == (64, 96)
+    assert dataclasses.replace(cfg, sample_size=64) == U.SD15
+
+
+@pytest.mark.parametrize("field, value", [
+    ("resnet_time_scale_shift", "scale_shift"),
+    ("time_embedding_type", "fourier"),
+    ("class_embed_type", "timestep"),
+    ("num_class_embeds", 10),
+    ("class_embeddings_concat", True),
+    ("addition_embed_type", "text"),
+    ("encoder_hid_dim", 768),
+    ("encoder_hid_dim_type", "text_proj"),
+    ("time_cond_proj_dim", 256),
+    ("time_embedding_act_fn", "silu"),
+    ("timestep_post_act", "silu"),
+    ("dual_cross_attention", True),
+    ("attention_type", "gated"),
+    ("act_fn", "gelu"),
+    ("dropout", 0.1),
+    ("num_attention_heads", 8),
+    ("norm_num_groups", None),
+    ("conv_in_kernel", 4),
+    ("downsample_padding", 2),
+    ("mid_block_type", "UNetMidBlock2DSimpleCrossAttn"),
+    ("down_block_types", [CA, CA, "SimpleCrossAttnDownBlock2D", D]),
+    ("up_block_types", ["AttnUpBlock2D", CU, CU, CU]),
+    ("transformer_layers_per_block", [[1, 1], 1, 1, 1]),  # asymmetric without reverse_transformer_layers_per_block
+    ("layers_per_block", [2, 2]),
+    ("attention_head_dim", None),
+    ("some_future_field", 1),
+])
+def test_unimplemented_values_name_the_field(field, value):
+    with pytest.raises(SdxError, match=field):
+        U.UNetConfig.from_diffusers_config(dict(HUB["sd15"], **{field: value}))
+
+
+def test_text_time_needs_its_dimensions_and_wrong_class_is_refused():
+    with pytest.raises(SdxError, match="projection_class_embeddings_input_dim"):
+        U.UNetConfig.from_diffusers_config(dict(HUB["sd15"], addition_embed_type="text_time"))
+    with pytest.raises(SdxError, match="_class_name"):
+        U.UNetConfig.from_diffusers_config(dict(HUB["sd15"], _class_name="UNet3DConditionModel"))
+    with pytest.raises(SdxError, match="unknown unet preset"):
+        U.UNetConfig.preset("sd3")

@@ -1,0 +1,195 @@
+"""Small random-weight diffusers pipelines for tests, saved as diffusers folders.
+
+`make_tiny_pipeline(kind, folder)` builds a PyTorch diffusers pipeline of the given kind with tiny
+shapes (the `tiny` / `tiny_xl` presets of `sdx.presets`, varied per kind), moves every parameter
+away from its initial value (norm scales off 1, biases off 0: a loader that drops one cannot pass a
+parity test by luck), saves it with `save_pretrained`, and returns the pipeline.
+
+Kinds: sd15, sd21 (epsilon), sd21_v (v-prediction), pix2pix (8-channel conv_in), sdxl,
+sdxl_refiner (second text encoder only, aesthetic-score conditioning), sdxl_pix2pix.
+
+Tokenizers use the real CLIP BPE vocabulary (49408 tokens), written the way the released hub repos
+ship it: vocab.json + merges.txt + tokenizer_config.json + special_tokens_map.json (pass
+`tokenizer_files="transformers"` to keep what transformers' own `save_pretrained` writes instead,
+tokenizer.json + tokenizer_config.json). The pad token is "<|endoftext|>" for OpenAI CLIP tokenizers
+and "!" for the OpenCLIP ones (SD 2.x, SDXL's tokenizer_2), as in the real repos.
+
+Only tests import this module (torch, diffusers and transformers are test dependencies).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gzip
+import importlib.util
+import inspect
+import json
+from pathlib import Path
+
+import torch
+
+from sdx import presets
+
+KINDS = ("sd15", "sd21", "sd21_v", "pix2pix", "sdxl", "sdxl_refiner", "sdxl_pix2pix")
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# CLIP BPE vocabulary
+
+
+def _bpe_source() -> Path:
+    """The CLIP BPE merges file: sdx's packaged copy, else open_clip's (found without importing it)."""
+    ours = _REPO_ROOT / "sdx" / "assets" / "bpe_simple_vocab_16e6.txt.gz"
+    if ours.is_file():
+        return ours
+    spec = importlib.util.find_spec("open_clip")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / "bpe_simple_vocab_16e6.txt.gz"
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError("no CLIP BPE vocabulary: neither sdx/assets nor open_clip has bpe_simple_vocab_16e6.txt.gz")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP's reversible byte -> printable character table."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+@functools.cache
+def clip_vocab() -> tuple[dict[str, int], tuple[str, ...]]:
+    """(vocab token -> id, merges) of OpenAI's CLIP tokenizer, rebuilt from the BPE merges file."""
+    lines = gzip.open(_bpe_source()).read().decode("utf-8").split("\n")
+    merges = tuple(lines[1 : 49152 - 256 - 2 + 1])  # line 0 is a version header
+    tokens = list(_bytes_to_unicode().values())
+    tokens += [t + "</w>" for t in tokens]
+    tokens += ["".join(m.split()) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return {t: i for i, t in enumerate(tokens)}, merges
+
+
+def write_clip_tokenizer(folder: Path, pad_token: str = "<|endoftext|>") -> Path:
+    """A CLIP tokenizer folder laid out as the hub repos ship it (slow-tokenizer files)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab, merges = clip_vocab()
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
+               "pad_token": pad_token}
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    config = {**special, "model_max_length": 77, "do_lower_case": True, "errors": "replace",
+              "add_prefix_space": False, "tokenizer_class": "CLIPTokenizer"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs per kind
+
+
+def _tiny_configs(kind: str) -> tuple[str, dict, dict, dict]:
+    """(pipeline class, component configs, model_index extras, tokenizer pad tokens) for `kind`."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown tiny pipeline kind {kind!r}; choose one of {KINDS}")
+    xl = kind.startswith("sdxl")
+    base = presets.get("tiny_xl" if xl else "tiny")
+    real = presets.get({"sd15": "sd15", "sd21": "sd21", "sd21_v": "sd21_v", "pix2pix": "pix2pix",
+                        "sdxl": "sdxl_base", "sdxl_refiner": "sdxl_refiner", "sdxl_pix2pix": "sdxl_pix2pix"}[kind])
+    configs = copy.deepcopy(base.configs)
+    configs["scheduler"] = real.configs["scheduler"]
+    pads = {name: spec["pad_token"] for name, spec in real.tokenizers.items()}
+    unet = configs["unet"]
+    if kind in ("pix2pix", "sdxl_pix2pix"):
+        unet["in_channels"] = 8
+    if kind in ("sd21", "sd21_v"):
+        # OpenCLIP-H-like text encoder (gelu), linear projections in the transformers, per-level heads.
+        configs["text_encoder"]["hidden_act"] = "gelu"
+        unet.update(use_linear_projection=True, attention_head_dim=[2, 4], upcast_attention=kind == "sd21_v")
+    if kind == "sdxl_refiner":
+        del configs["text_encoder"]
+        unet.update(
+            block_out_channels=[32, 64, 64], attention_head_dim=[2, 4, 4], cross_attention_dim=64,
+            down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+            up_block_types=["UpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], transformer_layers_per_block=2,
+            projection_class_embeddings_input_dim=64 + 5 * unet["addition_time_embed_dim"],
+        )
+    return real.pipeline_class, configs, real.extra, pads
+
+
+def _perturb(module: torch.nn.Module, generator: torch.Generator) -> None:
+    """Move every parameter off its init: absolute noise for norms/biases, relative for the rest."""
+    with torch.no_grad():
+        for param in module.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            if param.ndim <= 1:
+                param.add_(0.1 * noise)
+            else:
+                param.add_(0.5 * param.std().clamp(min=1e-3) * noise)
+
+
+def make_tiny_pipeline(kind: str, folder, *, seed: int = 0, tokenizer_files: str = "hub"):
+    """Build the tiny diffusers pipeline `kind`, save it under `folder` (created), return the pipeline.
+
+    tokenizer_files: "hub" (vocab.json/merges.txt/tokenizer_config.json/special_tokens_map.json, as
+    the released repos) or "transformers" (what transformers' save_pretrained writes).
+    """
+    import diffusers
+    import transformers
+
+    pipeline_class, configs, extra, pads = _tiny_configs(kind)
+    folder = Path(folder)
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+
+    def model_kwargs(cfg: dict) -> dict:
+        return {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+    components = {}
+    unet = diffusers.UNet2DConditionModel(**model_kwargs(configs["unet"]))
+    vae = diffusers.AutoencoderKL(**model_kwargs(configs["vae"]))
+    scheduler_cls = getattr(diffusers, configs["scheduler"]["_class_name"])
+    components["scheduler"] = scheduler_cls.from_config(configs["scheduler"])
+    for name, model in (("unet", unet), ("vae", vae)):
+        _perturb(model, generator)
+        components[name] = model.eval()
+    for te, tok in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        if te not in configs:
+            components[te] = components[tok] = None
+            continue
+        cfg = {k: v for k, v in configs[te].items() if k not in ("architectures", "model_type")}
+        arch = getattr(transformers, configs[te]["architectures"][0])
+        model = arch(transformers.CLIPTextConfig(**cfg))
+        _perturb(model, generator)
+        components[te] = model.eval()
+        tok_dir = write_clip_tokenizer(folder / tok, pad_token=pads[tok])
+        components[tok] = transformers.CLIPTokenizer.from_pretrained(tok_dir)
+
+    pipe_cls = getattr(diffusers, pipeline_class)
+    wanted = set(inspect.signature(pipe_cls.__init__).parameters)
+    kwargs = {k: v for k, v in components.items() if k in wanted}
+    if "safety_checker" in wanted:
+        kwargs.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    if "image_encoder" in wanted:
+        kwargs["image_encoder"] = None
+    kwargs.update({k: v for k, v in extra.items() if k in wanted})
+    pipe = pipe_cls(**kwargs)
+    pipe.save_pretrained(folder)
+    if tokenizer_files == "hub":
+        for tok in ("tokenizer", "tokenizer_2"):
+            if components.get(tok) is not None:
+                (folder / tok / "tokenizer.json").unlink(missing_ok=True)
+                write_clip_tokenizer(folder / tok, pad_token=pads[tok])
+    elif tokenizer_files != "transformers":
+        raise ValueError(f"tokenizer_files={tokenizer_files!r}: use 'hub' or 'transformers'")
+    return pipe
