@@ -33,7 +33,8 @@ import numpy as np
 
 from convert import single_file_keys as K
 from convert.checkpoint import Checkpoint
-from convert.single_file import load_tensors, safetensors_metadata
+from convert.single_file import load_tensors
+from sdx import weights
 from sdx.errors import SdxError
 
 _COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
@@ -46,12 +47,13 @@ _SUFFIXES = (
     (".lora.down.weight", "down"), (".lora.up.weight", "up"),
     (".lora_linear_layer.down.weight", "down"), (".lora_linear_layer.up.weight", "up"),
     (".lora_down.weight", "down"), (".lora_up.weight", "up"),
+    ("_lora.down.weight", "down"), ("_lora.up.weight", "up"),  # attention processors: to_q_lora.down.weight
     (".alpha", "alpha"),
 )
-# diffusers' attention-processor era names -> module paths
+# diffusers' attention-processor era names (after the `_lora.down.weight` ending is cut) -> module paths
 _OLD_NAMES = (
-    (r"\.processor\.to_(q|k|v)_lora$", r".to_\1"), (r"\.processor\.to_out_lora$", ".to_out.0"),
-    (r"\.self_attn\.to_(q|k|v)_lora$", r".self_attn.\1_proj"), (r"\.self_attn\.to_out_lora$", ".self_attn.out_proj"),
+    (r"\.processor\.to_(q|k|v)$", r".to_\1"), (r"\.processor\.to_out$", ".to_out.0"),
+    (r"\.self_attn\.to_(q|k|v)$", r".self_attn.\1_proj"), (r"\.self_attn\.to_out$", ".self_attn.out_proj"),
 )
 _UNSUPPORTED = re.compile(r".*(hada_|lokr_|dora_scale|lora_magnitude_vector|lora_B\.bias|\.diff(_b)?$).*")
 
@@ -61,9 +63,13 @@ def parse_lora_arg(arg: str) -> tuple[Path, float]:
     head, sep, tail = arg.rpartition(":")
     if sep and head:
         try:
-            return Path(head), float(tail)
+            scale = float(tail)
         except ValueError:
-            pass  # a colon inside the path (C:\...), not a scale
+            scale = None  # a colon inside the path (C:\...), not a scale
+        if scale is not None:
+            if not math.isfinite(scale):
+                raise SdxError(f"--lora {arg}: the scale must be a finite number")
+            return Path(head), scale
     if not arg:
         raise SdxError("--lora needs a file: --lora FILE[:SCALE]")
     return Path(arg), 1.0
@@ -160,7 +166,8 @@ def _split_diffusers(key: str) -> tuple[str, str, str]:
     elif head in ("down_blocks", "mid_block", "up_blocks", "conv_in", "conv_out", "time_embedding", "add_embedding"):
         component, module = "unet", path  # the oldest diffusers files: UNet attention processors, no prefix
     else:
-        raise SdxError(f"LoRA key {key!r}: cannot tell which model it is for (expected unet./text_encoder./text_encoder_2.)")
+        raise SdxError(f"LoRA key {key!r}: cannot tell which model it is for "
+                       "(expected a unet., text_encoder. or text_encoder_2. prefix)")
     for pattern, replacement in _OLD_NAMES:
         module = re.sub(pattern, replacement, module)
     return component, module, role
@@ -188,7 +195,7 @@ def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], tuple[np.
         raise SdxError(f"{path}: holds no tensors")
     metadata = {}
     if path.suffix.lower() == ".safetensors":
-        raw = safetensors_metadata(path).get("lora_adapter_metadata")
+        raw = weights.read_safetensors_metadata(path).get("lora_adapter_metadata")
         if raw:
             try:
                 metadata = json.loads(raw)
@@ -199,7 +206,8 @@ def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], tuple[np.
     source: dict[tuple[str, str], str] = {}
     for key, array in tensors.items():
         if _UNSUPPORTED.fullmatch(key):
-            raise SdxError(f"{path}: {key!r} belongs to a LoRA variant sdx does not merge (LoHa, LoKr, DoRA, LoRA biases)")
+            raise SdxError(f"{path}: {key!r} belongs to a LoRA variant sdx does not merge "
+                           "(LoHa, LoKr, DoRA, LoRA biases)")
         kohya = _split_kohya(key)
         if kohya is not None:
             component, name, role = kohya

@@ -20,8 +20,18 @@ exact. single file -> sdx -> single file gives back the same tensors under the s
 the ignored ones (EMA weights, buffers), and, for SD 2.x, the unused 24th OpenCLIP layer and text
 projection, which diffusers' layout does not keep.
 
-Files: safetensors (memory-mapped, read lazily), or a pickled `.ckpt`/`.pt`/`.pth`/`.bin` through
-`torch.load(weights_only=True)` only (never a full unpickling; torch is imported only then).
+A single file holds no tokenizer: with a config folder, its tokenizer/ and tokenizer_2/ folders are
+passed on; without one, `tokenizer_specs` gives the pad token etc. to build them from sdx's built-in
+CLIP vocabulary. Old key spellings (SD 1.x files saved before transformers' `text_model` wrapper) are
+renamed on reading (`single_file_keys.KEY_ALIASES`).
+
+The UNet's EMA copy (`model_ema.*`, in LDM files) is ignored unless `ema=True` asks for it in
+place of the trained weights. A standalone VAE file (LDM or diffusers keys) gives a Checkpoint with
+only a "vae" component; `read_vae` maps one onto a given VAE config (for `--vae`).
+
+Files: safetensors (memory-mapped through `sdx.weights.read_safetensors`, read lazily), or a
+pickled `.ckpt`/`.pt`/`.pth`/`.bin` through `torch.load(weights_only=True)` only (never a full
+unpickling; torch is imported only then, and is not a runtime dependency).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import numpy as np
 
 from convert import single_file_keys as K
 from convert.checkpoint import Checkpoint
-from sdx import presets
+from sdx import presets, weights
 from sdx.errors import SdxError
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -47,13 +57,17 @@ _TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
 _CONV_IN = K.UNET_PREFIX + "input_blocks.0.0.weight"
 
 # model type -> (layout, preset, {marker key: required value of shape[1] or None})
+_XL_BIG_G = "conditioner.embedders.1.model.ln_final.weight"
+_REFINER_BIG_G = "conditioner.embedders.0.model.ln_final.weight"
+_SD2_OPEN_CLIP = "cond_stage_model.model.ln_final.weight"
+_SD1_CLIP = "cond_stage_model.transformer.text_model.final_layer_norm.weight"
 MODEL_TYPES: dict[str, tuple[str, str, dict[str, int | None]]] = {
-    "sdxl_pix2pix": ("sdxl", "sdxl_pix2pix", {"conditioner.embedders.1.model.ln_final.weight": None, _CONV_IN: 8}),
-    "sdxl_base": ("sdxl", "sdxl_base", {"conditioner.embedders.1.model.ln_final.weight": None, _CONV_IN: 4}),
-    "sdxl_refiner": ("sdxl_refiner", "sdxl_refiner", {"conditioner.embedders.0.model.ln_final.weight": None, _CONV_IN: 4}),
-    "sd21_v": ("sd2", "sd21_v", {"cond_stage_model.model.ln_final.weight": None, _CONV_IN: 4}),
-    "pix2pix": ("sd1", "pix2pix", {"cond_stage_model.transformer.text_model.final_layer_norm.weight": None, _CONV_IN: 8}),
-    "sd15": ("sd1", "sd15", {"cond_stage_model.transformer.text_model.final_layer_norm.weight": None, _CONV_IN: 4}),
+    "sdxl_pix2pix": ("sdxl", "sdxl_pix2pix", {_XL_BIG_G: None, _CONV_IN: 8}),
+    "sdxl_base": ("sdxl", "sdxl_base", {_XL_BIG_G: None, _CONV_IN: 4}),
+    "sdxl_refiner": ("sdxl_refiner", "sdxl_refiner", {_REFINER_BIG_G: None, _CONV_IN: 4}),
+    "sd21_v": ("sd2", "sd21_v", {_SD2_OPEN_CLIP: None, _CONV_IN: 4}),
+    "pix2pix": ("sd1", "pix2pix", {_SD1_CLIP: None, _CONV_IN: 8}),
+    "sd15": ("sd1", "sd15", {_SD1_CLIP: None, _CONV_IN: 4}),
     "vae": ("vae", "sd15", {"encoder.conv_in.weight": None, "decoder.conv_out.weight": None}),
 }
 # a type that no marker names, but that a caller may ask for (same keys as sd21_v)
@@ -98,68 +112,6 @@ def detect_model_type(shapes: Mapping[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------------
 # File I/O
 
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-    "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
-}
-
-
-def _ml_dtype(name: str):
-    import ml_dtypes  # a dependency of jax
-
-    return {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(name)
-
-
-def _safetensors_header(path: Path) -> tuple[dict, dict, int, int]:
-    """(tensor entries, __metadata__, data start offset, file size); SdxError for a cut-off file."""
-    size = path.stat().st_size
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n <= 0 or 8 + n > size:
-                raise ValueError("the header is cut off")
-            header = json.loads(f.read(n))
-        if not isinstance(header, dict):
-            raise ValueError("the header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SdxError(f"{path}: not a readable safetensors file ({e}); is it truncated or corrupt?") from None
-    metadata = header.pop("__metadata__", None) or {}
-    return header, metadata, 8 + n, size
-
-
-def safetensors_metadata(path) -> dict[str, str]:
-    """The `__metadata__` strings of a safetensors file (LoRA files keep their adapter config there)."""
-    return _safetensors_header(Path(path))[1]
-
-
-def load_safetensors(path) -> dict[str, np.ndarray]:
-    """All tensors of a safetensors file as read-only numpy views of a memory map.
-
-    A file too short for its header or its tensors (truncated download) is an SdxError naming it.
-    """
-    path = Path(path)
-    header, _, start, size = _safetensors_header(path)
-    try:
-        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    except (KeyError, TypeError, IndexError, ValueError):
-        raise SdxError(f"{path}: not a readable safetensors file (malformed header)") from None
-    if start + end > size:
-        raise SdxError(
-            f"{path}: truncated: its header describes {start + end} bytes, the file has {size}; download it again"
-        )
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(end,)) if end else np.zeros(0, np.uint8)
-    out = {}
-    for key, info in header.items():
-        dtype = _ST_DTYPES.get(info["dtype"]) or _ml_dtype(info["dtype"])
-        if dtype is None:
-            raise SdxError(f"{path}: tensor {key!r} has dtype {info['dtype']}, which sdx cannot read")
-        b, e = info["data_offsets"]
-        expected = int(np.prod(info["shape"], dtype=np.int64)) * np.dtype(dtype).itemsize
-        if e - b != expected:
-            raise SdxError(f"{path}: tensor {key!r} has {e - b} bytes for shape {info['shape']}; the file is corrupt")
-        out[key] = data[b:e].view(dtype).reshape(info["shape"])
-    return out
-
 
 def _load_pickle(path: Path) -> dict[str, np.ndarray]:
     try:
@@ -172,8 +124,9 @@ def _load_pickle(path: Path) -> dict[str, np.ndarray]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad pickle
+        reason = " ".join(str(e).split())[:200]  # torch's messages span lines; ours is one
         raise SdxError(
-            f"{path}: cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {str(e)[:200]}); "
+            f"{path}: cannot be read with torch.load(weights_only=True) ({type(e).__name__}: {reason}); "
             "sdx never unpickles arbitrary objects. Convert it to .safetensors with a tool you trust"
         ) from None
     while isinstance(state, Mapping) and "state_dict" in state:
@@ -184,8 +137,10 @@ def _load_pickle(path: Path) -> dict[str, np.ndarray]:
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             value = value.detach().cpu()
-            if value.dtype == torch.bfloat16:
-                out[key] = value.view(torch.int16).numpy().view(_ml_dtype("BF16"))
+            if value.dtype == torch.bfloat16:  # numpy has no bfloat16; ml_dtypes (a jax dependency) does
+                import ml_dtypes
+
+                out[key] = value.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
             else:
                 out[key] = value.numpy()
     return out
@@ -196,13 +151,15 @@ def load_tensors(path) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise SdxError(f"{path}: no such file")
-    if path.suffix.lower() in (".ckpt", ".pt", ".pth", ".bin"):
+    suffix = path.suffix.lower()
+    if suffix in (".ckpt", ".pt", ".pth", ".bin"):
         return _load_pickle(path)
-    with open(path, "rb") as f:
-        head = f.read(2)
-    if head[:1] == b"P" or head == b"\x80\x02":  # a zip (torch >= 1.6) or legacy pickle, whatever its name
-        return _load_pickle(path)
-    return load_safetensors(path)
+    if suffix not in (".safetensors", ".sft"):
+        with open(path, "rb") as f:
+            head = f.read(9)
+        if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":  # torch's zip, or a legacy pickle
+            return _load_pickle(path)
+    return weights.read_safetensors(path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -251,7 +208,8 @@ def _check_configs(configs: Mapping[str, dict], tensors: Mapping[str, Any], layo
         if _shape(conv_in)[:2] != want:
             problems.append(f"the UNet's conv_in is {_shape(conv_in)}, the config says {want} (out, in)")
     for name, (style, prefix) in K.LAYOUTS.get(layout, {}).items():
-        key = prefix + ("token_embedding.weight" if style == "open_clip" else "text_model.embeddings.token_embedding.weight")
+        key = prefix + ("token_embedding.weight" if style == "open_clip"
+                        else "text_model.embeddings.token_embedding.weight")
         if key in tensors and name in configs:
             want = (configs[name]["vocab_size"], configs[name]["hidden_size"])
             if _shape(tensors[key]) != want:
@@ -308,6 +266,19 @@ def map_tensors(
     return out
 
 
+def apply_aliases(tensors: Mapping[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
+    """Rename the old key spellings of `single_file_keys.KEY_ALIASES` to the current ones."""
+    out = dict(tensors)
+    for key in tensors:
+        for old, new in K.KEY_ALIASES.items():
+            if key.startswith(old):
+                renamed = new + key[len(old):]
+                if renamed in tensors:
+                    raise SdxError(f"{where}: holds both {key} and {renamed}")
+                out[renamed] = out.pop(key)
+    return out
+
+
 def read_vae(path, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """A standalone VAE file (LDM keys `encoder.down.0.block.0...`, or diffusers keys
     `encoder.down_blocks.0.resnets.0...`) as diffusers-keyed tensors for a VAE with `config`.
@@ -350,11 +321,10 @@ def read_single_file(path, config_folder=None, *, preset: str | None = None, ema
     A standalone VAE file gives a Checkpoint with only a "vae" component and no pipeline class.
     """
     path = Path(path)
-    tensors = load_tensors(path)
+    tensors = apply_aliases(load_tensors(path), str(path))
     detected = detect_model_type(tensors)
     types = {**{k: v[:2] for k, v in MODEL_TYPES.items()}, **_EXTRA_TYPES}
     if detected == "vae":
-        model_type = "vae"
         preset_name = preset or "sd15"
         if preset_name not in presets.NAMES:
             raise SdxError(f"unknown preset {preset_name!r}; choose one of {', '.join(presets.NAMES)}")
@@ -415,6 +385,16 @@ def checkpoint_layout(checkpoint: Checkpoint) -> str:
     raise SdxError("a single file needs the pipeline's text encoder(s); this checkpoint has none")
 
 
+_LAYOUT_PRESETS = {"sd1": "sd15", "sd2": "sd21_v", "sdxl": "sdxl_base", "sdxl_refiner": "sdxl_refiner"}
+
+
+def tokenizer_specs(checkpoint: Checkpoint) -> dict[str, dict[str, Any]]:
+    """tokenizer name -> tokenizer_config facts (pad token, max length) the checkpoint's text encoders
+    were trained with, for building tokenizers from sdx's built-in CLIP vocabulary when a single
+    file (which holds none) is read without a config folder."""
+    return presets.get(_LAYOUT_PRESETS[checkpoint_layout(checkpoint)]).tokenizers
+
+
 def _canonical_text_keys(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """transformers >= 5.6 saves CLIPTextModel without the `text_model.` prefix; the table has it."""
     return {k if k.startswith("text_model.") or k.startswith("text_projection") else f"text_model.{k}": v
@@ -428,7 +408,12 @@ def single_file_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
     layout = "sd1" if vae_only else checkpoint_layout(checkpoint)
     if not vae_only and "unet" not in components:
         raise SdxError("a single file needs the UNet; this checkpoint has none")
-    entries = K.pipeline_entries(layout, checkpoint.configs, components)
+    configs = dict(checkpoint.configs)
+    for c in _TEXT_ENCODERS:  # a config made in memory may lack `architectures`: the tensors tell
+        if c in components and not configs[c].get("architectures"):
+            arch = "CLIPTextModelWithProjection" if "text_projection.weight" in checkpoint.tensors[c] else "CLIPTextModel"
+            configs[c] = {**configs[c], "architectures": [arch]}
+    entries = K.pipeline_entries(layout, configs, components)
     by_key = {(e.component, k): e for e in entries for k in e.diffusers}
     source = {c: (_canonical_text_keys(checkpoint.tensors[c]) if c in _TEXT_ENCODERS else checkpoint.tensors[c])
               for c in components}
@@ -453,9 +438,7 @@ def write_single_file(checkpoint: Checkpoint, path) -> None:
     the detected preset or a config folder. A VAE-only Checkpoint is written as a standalone VAE
     file (keys without the `first_stage_model.` prefix).
     """
-    from safetensors.numpy import save_file
-
     tensors = single_file_tensors(checkpoint)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata={"format": "pt"})
+    weights.write_safetensors(path, tensors, metadata={"format": "pt"})

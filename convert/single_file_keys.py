@@ -263,14 +263,16 @@ def vae_entries(config: Mapping[str, Any], prefix: str = VAE_PREFIX) -> list[Ent
             out += _vae_resnet(f"encoder.down_blocks.{i}.resnets.{j}", f"{prefix}encoder.down.{i}.block.{j}",
                                in_ch if j == 0 else out_ch, out_ch)
         if i < levels - 1:
-            out += _wb("vae", f"encoder.down_blocks.{i}.downsamplers.0.conv", f"{prefix}encoder.down.{i}.downsample.conv")
+            out += _wb("vae", f"encoder.down_blocks.{i}.downsamplers.0.conv",
+                       f"{prefix}encoder.down.{i}.downsample.conv")
     rev = channels[::-1]
     out_ch = rev[0]
     for i in range(levels):
         prev_ch, out_ch = out_ch, rev[i]
         o = f"{prefix}decoder.up.{levels - 1 - i}"
         for j in range(layers + 1):
-            out += _vae_resnet(f"decoder.up_blocks.{i}.resnets.{j}", f"{o}.block.{j}", prev_ch if j == 0 else out_ch, out_ch)
+            out += _vae_resnet(f"decoder.up_blocks.{i}.resnets.{j}", f"{o}.block.{j}",
+                               prev_ch if j == 0 else out_ch, out_ch)
         if i < levels - 1:
             out += _wb("vae", f"decoder.up_blocks.{i}.upsamplers.0.conv", f"{o}.upsample.conv")
     if config.get("use_quant_conv", True):
@@ -282,6 +284,11 @@ def vae_entries(config: Mapping[str, Any], prefix: str = VAE_PREFIX) -> list[Ent
 
 # --------------------------------------------------------------------------------------------------
 # Text encoders
+
+def has_projection(config: Mapping[str, Any]) -> bool:
+    """Whether a transformers CLIP text config is a CLIPTextModelWithProjection (by `architectures`)."""
+    return "CLIPTextModelWithProjection" in (config.get("architectures") or [])
+
 
 _CLIP_LAYER = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
                "layer_norm1", "layer_norm2", "mlp.fc1", "mlp.fc2")
@@ -296,7 +303,7 @@ def clip_entries(component: str, config: Mapping[str, Any], prefix: str) -> list
         for n in _CLIP_LAYER:
             out += e(f"text_model.encoder.layers.{i}.{n}")
     out += e("text_model.final_layer_norm")
-    if "CLIPTextModelWithProjection" in config.get("architectures", []):
+    if has_projection(config):
         out += e("text_projection", bias=False)
     return out
 
@@ -316,7 +323,7 @@ def open_clip_entries(component: str, config: Mapping[str, Any], prefix: str) ->
         for p, name in (("weight", "in_proj_weight"), ("bias", "in_proj_bias")):
             keys = tuple(f"{d}.self_attn.{x}_proj.{p}" for x in "qkv")
             out.append(Entry(component, keys, f"{o}.attn.{name}", QKV))
-    if "CLIPTextModelWithProjection" in config.get("architectures", []):
+    if has_projection(config):
         out.append(Entry(component, ("text_projection.weight",), prefix + "text_projection", TRANSPOSE))
     return out
 
@@ -333,8 +340,16 @@ COMMON_IGNORED = (
     r"denoiser\.(sigmas|log_sigmas)",  # SGM's discretisation buffers
     r"(first_stage_model\.)?loss\..*",  # the VAE's training loss (LPIPS, discriminator)
     r".*\.position_ids",  # transformers' position-id buffer
-    r"(cond_stage_model|conditioner\.embedders\.\d)\.model\.(logit_scale|attn_mask)",  # OpenCLIP's contrastive scale, mask buffer
+    # OpenCLIP's contrastive temperature and causal-mask buffer
+    r"(cond_stage_model|conditioner\.embedders\.\d)\.model\.(logit_scale|attn_mask)",
 )
+
+# Older spellings some files use, renamed on reading (and written in the current form): SD 1.x files
+# saved from transformers' CLIPTextModel before its `text_model` wrapper (A1111 renames the same).
+KEY_ALIASES = {
+    f"cond_stage_model.transformer.{part}.": f"cond_stage_model.transformer.text_model.{part}."
+    for part in ("embeddings", "encoder", "final_layer_norm")
+}
 
 # layout -> text encoder component -> (style, key prefix)
 LAYOUTS: dict[str, dict[str, tuple[str, str]]] = {

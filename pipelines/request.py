@@ -112,7 +112,7 @@ def validate(r: Request, family: Family, factor: int, multiple: int) -> None:
         ("--latents", r.latents, (r.height // factor, r.width // factor)),
         ("initial latents", r.init_latents, (r.height // factor, r.width // factor)),
     ):
-        if arr is not None and (arr.ndim != 4 or arr.shape[0] not in (1, r.num_images) or arr.shape[1:3] != shape):
+        if arr is not None and (arr.ndim != 4 or arr.shape[0] not in (1, r.num_images) or arr.shape[2:4] != shape):
             raise SdxError(
                 f"{name}: shape {arr.shape} does not fit {r.num_images} image(s) of {r.height}x{r.width} "
                 f"(expected (1 or {r.num_images}, channels, {shape[0]}, {shape[1]}) in the diffusers layout)"

@@ -360,7 +360,7 @@ def building_folder(out: str | os.PathLike, *, overwrite: bool = False) -> Itera
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o777 & ~weights._UMASK)  # mkdtemp makes 0700
     except OSError as e:
         raise SdxError(f"cannot create {out}: {e.strerror or e}") from None
     old = None

@@ -31,7 +31,8 @@ EXPECTED_TYPE = {"sd15": "sd15", "sd21_v": "sd21_v", "pix2pix": "pix2pix", "sdxl
 
 
 def _config(model) -> dict:
-    return model.config.to_dict() if hasattr(model.config, "to_dict") and not isinstance(model.config, dict) else dict(model.config)
+    """A diffusers model's config (a FrozenDict) or a transformers one (a PretrainedConfig) as a dict."""
+    return dict(model.config) if isinstance(model.config, dict) else model.config.to_dict()
 
 
 def checkpoint_of(pipe) -> Checkpoint:
@@ -100,6 +101,8 @@ def test_written_file_loads_in_diffusers_and_reads_back_exactly(tiny, kind):
     assert back.pipeline_class == type(pipe).__name__
     assert back.configs["scheduler"]["_class_name"] == type(pipe.scheduler).__name__
     assert set(back.tokenizers) == {t for t in ("tokenizer", "tokenizer_2") if getattr(pipe, t, None) is not None}
+    pads = {t: spec["pad_token"] for t, spec in sf.tokenizer_specs(back).items()}
+    assert pads == {t: getattr(pipe, t).pad_token for t in back.tokenizers}
 
     # ... and writing what we read gives the same file contents (sdx -> single file -> sdx -> single file)
     again = sf.single_file_tensors(back)
@@ -172,7 +175,7 @@ def test_table_matches_diffusers_converters_at_real_size(name):
     from diffusers.loaders import single_file_utils as su
 
     preset = presets.get(name)
-    layout = {"sdxl_base": "sdxl", "sdxl_refiner": "sdxl_refiner", "sd15": "sd1", "sd21_v": "sd2", "pix2pix": "sd1"}[name]
+    layout = sf.MODEL_TYPES[name][0]
     components = ["unet", "vae", *K.LAYOUTS[layout]]
     entries = K.pipeline_entries(layout, preset.configs, components)
     fake = _fake(entries)
@@ -190,7 +193,6 @@ def test_table_matches_diffusers_converters_at_real_size(name):
             converted = su.convert_ldm_clip_checkpoint({k: v for k, v in tfake.items() if k.startswith(prefix)})
             converted = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in converted.items()}
         else:
-            hidden = preset.configs[comp]["hidden_size"]
             model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=4))  # fake q/k/v are 4 rows each
             sub = {k: v for k, v in tfake.items() if k.startswith(prefix)}
             if f"{prefix}text_projection" not in sub:
@@ -198,7 +200,6 @@ def test_table_matches_diffusers_converters_at_real_size(name):
             converted = su.convert_open_clip_checkpoint(model, sub, prefix=prefix)
             if "CLIPTextModelWithProjection" not in preset.configs[comp]["architectures"]:
                 converted.pop("text_projection.weight", None)
-            assert hidden > 0
         theirs.update({f"{comp}:{k}": v for k, v in converted.items()})
     theirs = {k: v.numpy() for k, v in theirs.items()}
     assert set(ours) == set(theirs), sorted(set(ours) ^ set(theirs))[:10]
@@ -213,7 +214,8 @@ def test_table_matches_diffusers_converters_at_real_size(name):
 
 def test_table_knows_real_keys():
     """A few keys of the released files, as they are spelled there."""
-    xl = {e.original for e in K.pipeline_entries("sdxl", presets.get("sdxl_base").configs, ["unet", "vae", "text_encoder", "text_encoder_2"])}
+    xl_components = ["unet", "vae", "text_encoder", "text_encoder_2"]
+    xl = {e.original for e in K.pipeline_entries("sdxl", presets.get("sdxl_base").configs, xl_components)}
     for key in ("model.diffusion_model.input_blocks.4.1.transformer_blocks.1.attn1.to_k.weight",
                 "model.diffusion_model.output_blocks.2.2.conv.weight",
                 "model.diffusion_model.middle_block.1.transformer_blocks.9.ff.net.2.bias",
@@ -275,6 +277,17 @@ def test_sd2_extra_openclip_layer_and_projection_are_ignored(tiny, tmp_path):
     assert_tensors_equal(sf.read_single_file(path, folder).tensors["text_encoder"], back.tensors["text_encoder"], "sd2")
 
 
+def test_old_clip_key_spelling_is_accepted(tiny, tmp_path):
+    folder, _, path = tiny("sd15")
+    tensors = dict(sf.load_tensors(path))
+    old = {k.replace("cond_stage_model.transformer.text_model.", "cond_stage_model.transformer."): v
+           for k, v in tensors.items()}
+    assert "cond_stage_model.transformer.final_layer_norm.weight" in old
+    _write(tmp_path / "old.safetensors", old)
+    back = sf.read_single_file(tmp_path / "old.safetensors", folder)
+    assert_tensors_equal(sf.read_single_file(path, folder).tensors["text_encoder"], back.tensors["text_encoder"], "old")
+
+
 def test_unknown_and_missing_keys_are_named(tiny, tmp_path):
     folder, _, path = tiny("sd15")
     tensors = dict(sf.load_tensors(path))
@@ -301,8 +314,8 @@ def test_unknown_layout_lists_what_was_looked_for(tmp_path):
         sf.read_single_file(tmp_path / "odd.safetensors")
     message = str(err.value)
     assert "\n" not in message
-    for name in ("sdxl_base", "sdxl_refiner", "sd15", "sd21_v", "pix2pix", "conditioner.embedders.1.model.ln_final.weight",
-                 "cond_stage_model.model.ln_final.weight", "transformer.blocks.0.weight"):
+    for name in ("sdxl_base", "sdxl_refiner", "sd15", "sd21_v", "pix2pix", "transformer.blocks.0.weight",
+                 "conditioner.embedders.1.model.ln_final.weight", "cond_stage_model.model.ln_final.weight"):
         assert name in message, name
     inpaint = {"model.diffusion_model.input_blocks.0.0.weight": np.zeros((4, 9, 3, 3), np.float32)}
     _write(tmp_path / "inpaint.safetensors", inpaint)
@@ -337,8 +350,9 @@ def test_pickled_checkpoint_weights_only(tiny, tmp_path):
 
     # any object but tensors and plain containers (here a SimpleNamespace) must not be unpickled
     torch.save({"state_dict": state, "callback": types.SimpleNamespace(x=1)}, tmp_path / "evil.ckpt")
-    with pytest.raises(SdxError, match=r"evil\.ckpt: cannot be read with torch\.load\(weights_only=True\)"):
+    with pytest.raises(SdxError, match=r"evil\.ckpt: cannot be read with torch\.load\(weights_only=True\)") as err:
         sf.read_single_file(tmp_path / "evil.ckpt", folder)
+    assert "\n" not in str(err.value)
 
 
 def test_standalone_vae_files(tiny, tmp_path):
@@ -357,8 +371,9 @@ def test_standalone_vae_files(tiny, tmp_path):
     got = sf.read_vae(tmp_path / "dvae" / "diffusion_pytorch_model.safetensors", ck.configs["vae"])
     assert_tensors_equal(ck.tensors["vae"], got, "diffusers vae file")
     # and diffusers reads ours
-    theirs = diffusers.AutoencoderKL.from_single_file(str(tmp_path / "vae.safetensors"), config=str(folder / "vae"),
-                                                      local_files_only=True)
+    theirs = diffusers.AutoencoderKL.from_single_file(
+        str(tmp_path / "vae.safetensors"), config=str(folder / "vae"), local_files_only=True
+    )
     assert_tensors_equal(ck.tensors["vae"], {k: v.numpy() for k, v in theirs.state_dict().items()}, "diffusers vae")
 
 
@@ -372,3 +387,21 @@ def test_config_folder_needs_a_diffusers_layout(tiny, tmp_path):
     (bad / "unet" / "config.json").write_text("{not json")
     with pytest.raises(SdxError, match="not valid JSON"):
         sf.read_single_file(path, bad)
+
+
+def test_presets_fit_sdx_and_diffusers():
+    """Every preset's configs are accepted by sdx's config classes and scheduler factory."""
+    from sdx import schedulers
+    from sdx.clip import TextEncoderConfig
+    from sdx.unet import UNetConfig
+    from sdx.vae import VAEConfig
+
+    for name in presets.NAMES:
+        preset = presets.get(name)
+        UNetConfig.from_diffusers_config(preset.configs["unet"])
+        VAEConfig.from_diffusers_config(preset.configs["vae"])
+        for te in preset.text_encoders:
+            TextEncoderConfig.from_diffusers_config(preset.configs[te])
+        schedulers.from_config(preset.configs["scheduler"])
+        assert set(preset.tokenizers) == {"tokenizer" if te == "text_encoder" else "tokenizer_2"
+                                          for te in preset.text_encoders}

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from sdx import weights
 from sdx.errors import SdxError
@@ -98,7 +99,8 @@ def test_parity_with_diffusers(case):
     # ~1e-6, so a wrong norm epsilon (1e-5 for 1e-6) fails the test, which full-contrast inputs do not catch.
     flat = (np.arange(b) % 2 == 1)[:, None, None, None]
     x = (0.2 + np.where(flat, 0.01, 1.0) * rng.uniform(-1, 1, (b, 3, h, w))).astype(np.float32)
-    z = (0.5 + np.where(flat, 0.001, 1.0) * rng.standard_normal((b, cfg.latent_channels, h // f, w // f))).astype(np.float32)
+    noise = rng.standard_normal((b, cfg.latent_channels, h // f, w // f))
+    z = (0.5 + np.where(flat, 0.001, 1.0) * noise).astype(np.float32)
     with torch.no_grad():
         post = tmodel.encode(torch.from_numpy(x)).latent_dist
         image = tmodel.decode(torch.from_numpy(z)).sample
@@ -117,8 +119,8 @@ def test_parity_with_diffusers(case):
 
     # what a pipeline does: scaled latents in, raw z to decode, exactly diffusers' formula
     latents = cfg.to_latents(dist.mode())
-    shift = kw.get("shift_factor") or 0.0
-    np.testing.assert_allclose(latents, (np.asarray(dist.mode()) - shift) * kw.get("scaling_factor", 0.18215), rtol=1e-6)
+    shift, scale = kw.get("shift_factor") or 0.0, kw.get("scaling_factor", 0.18215)
+    np.testing.assert_allclose(latents, (np.asarray(dist.mode()) - shift) * scale, rtol=1e-6)
     np.testing.assert_allclose(cfg.from_latents(latents), dist.mode(), rtol=1e-5, atol=1e-6)
 
 
@@ -127,18 +129,12 @@ def test_jit_and_bfloat16():
     tmodel = _torch_vae(CASES["no_mid_attention"]["kw"])
     model = _sdx_vae(tmodel, Compute(dtype=jnp.bfloat16))
     x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (1, 8, 16, 3)), jnp.float32)
-    dist = nnx_jit_encode(model, x)
+    dist = nnx.jit(lambda m, a: m.encode(a))(model, x)
     assert isinstance(dist, DiagonalGaussian) and dist.mean.dtype == jnp.float32
     assert dist.mean.shape == (1, 4, 8, 4)
     ref = _sdx_vae(tmodel).encode(x)
     assert float(jnp.abs(dist.mean - ref.mean).max()) < 0.1 * max(1.0, float(jnp.abs(ref.mean).max()))
     assert model.decode(dist.mode()).dtype == jnp.bfloat16
-
-
-def nnx_jit_encode(model, x):
-    from flax import nnx
-
-    return nnx.jit(lambda m, a: m.encode(a))(model, x)
 
 
 def test_wrong_layout_is_an_error():

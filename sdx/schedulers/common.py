@@ -79,6 +79,14 @@ def vp_from_sigma(sigma):
     return alpha, sigma * alpha
 
 
+def vp_lambda(sigma):
+    """lambda = log(alpha / sigma_vp), half the log-SNR, of the noise level sigma (+inf at sigma = 0): the
+    time variable of DPM-Solver and UniPC."""
+    alpha, sigma_vp = vp_from_sigma(sigma)
+    with np.errstate(divide="ignore"):
+        return np.log(alpha) - np.log(sigma_vp)
+
+
 def x0_coefficients(prediction_type: str, alpha, sigma):
     """(a, b) with x0 = a * x + b * model_output, for a sample x = alpha * x0 + sigma * noise."""
     if prediction_type == "epsilon":
@@ -160,6 +168,20 @@ def sigma_ladder(sched: Scheduler, n: int, *, karras: bool = False, interpolatio
     return ts, np.append(sigmas, last).astype(np.float32)
 
 
+def multistep_ladder(sched: Scheduler, n: int, *, karras: bool, sigma_min: float | None, sigma_max: float | None,
+                     last: int, round_karras: bool = True):
+    """The DPM-Solver / UniPC schedule before its final sigma: (timesteps int64[n], sigmas float64[n]).
+    Karras sigmas span the training sigmas unless sigma_min/sigma_max are given."""
+    train = train_sigmas(sched.alphas_cumprod)
+    ts = multistep_timesteps(sched.timestep_spacing, sched.num_train_timesteps, n, sched.steps_offset, last)
+    if not karras:
+        return ts, np.interp(ts, np.arange(len(train)), train)
+    sigmas = karras_sigmas(train[0] if sigma_min is None else sigma_min,
+                           train[-1] if sigma_max is None else sigma_max, n)
+    ts = sigma_to_t(sigmas, np.log(train))
+    return (ts.round() if round_karras else ts).astype(np.int64), sigmas
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The state pytree every sampler uses.
 
@@ -196,10 +218,10 @@ _BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 _SPACINGS = ("leading", "trailing", "linspace")
 # Fields that describe the model rather than the sampler: a sampler without them must not drop them.
 _MODEL_FIELDS = {"rescale_betas_zero_snr": False, "timestep_type": "discrete"}
-_OFF = (False, None)
 
 
-def _check(cls: type, name: str, value: Any, allowed) -> None:
+def check_field(cls: type, name: str, value: Any, allowed) -> None:
+    """Refuse a config value sdx does not implement, naming the field and the value."""
     if value not in allowed:
         raise SdxError(f"scheduler config: {cls.diffusers_class} {name}={value!r} is not supported by sdx "
                        f"(supported: {', '.join(map(repr, allowed))})")
@@ -250,10 +272,10 @@ class Scheduler:
             if key in own:
                 kwargs[key] = tuple(value) if isinstance(value, list) else value
             elif key in cls.fixed:
-                _check(cls, key, value, cls.fixed[key])
+                check_field(cls, key, value, cls.fixed[key])
             elif key in _MODEL_FIELDS and value != _MODEL_FIELDS[key]:
-                raise SdxError(f"scheduler config: {key}={value!r} changes the model's noise schedule, which "
-                               f"{cls.diffusers_class} cannot follow; pick another scheduler")
+                raise SdxError(f"scheduler config: {key}={value!r} describes the model, and {cls.diffusers_class} "
+                               "cannot follow it; pick another scheduler")
         return cls(**cls._compat(kwargs))
 
     @classmethod
@@ -263,9 +285,9 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         cls = type(self)
-        _check(cls, "beta_schedule", self.beta_schedule, _BETA_SCHEDULES)
-        _check(cls, "prediction_type", self.prediction_type, cls.prediction_types)
-        _check(cls, "timestep_spacing", self.timestep_spacing, _SPACINGS)
+        check_field(cls, "beta_schedule", self.beta_schedule, _BETA_SCHEDULES)
+        check_field(cls, "prediction_type", self.prediction_type, cls.prediction_types)
+        check_field(cls, "timestep_spacing", self.timestep_spacing, _SPACINGS)
         if self.num_train_timesteps < 2:
             raise SdxError(f"scheduler config: num_train_timesteps={self.num_train_timesteps} must be >= 2")
 
@@ -281,7 +303,7 @@ class Scheduler:
             betas = _torch_linspace_f32(self.beta_start**0.5, self.beta_end**0.5, n) ** 2
         else:
             betas = _cosine_betas(n)
-        zero_snr = getattr(self, "rescale_betas_zero_snr", False)
+        zero_snr = getattr(self, "rescale_betas_zero_snr", False)  # a field of most samplers, not all
         if zero_snr:
             betas = _rescale_zero_terminal_snr(betas)
         alphas_cumprod = _cumprod_f32(1.0 - betas)
@@ -337,7 +359,10 @@ class Scheduler:
         return 1.0
 
     def _start_scales(self, schedule: dict[str, np.ndarray], begin: int) -> tuple[float, float]:
-        """(signal, noise) scales of the forward process at call `begin` (default: the DDPM one)."""
+        """(signal, noise) scales of the forward process at call `begin`: from the call's sigma where the
+        schedule has sigmas (DPM-Solver, UniPC), else from alphas_cumprod at its timestep (DDIM, DDPM, PNDM)."""
+        if "sigmas" in schedule:
+            return vp_from_sigma(schedule["sigmas"][begin])
         a = np.float64(self.alphas_cumprod[int(schedule["timesteps"][begin])])
         return np.sqrt(a), np.sqrt(1 - a)
 
@@ -397,6 +422,14 @@ class SigmaScheduler(Scheduler):
         alpha, sigma_vp = vp_from_sigma(sigma)
         a, b = x0_coefficients(self.prediction_type, alpha, sigma_vp)
         return {"sigma": sigma, "a": a * alpha, "b": b}  # the model saw alpha * x
+
+    def _euler_step(self, sigma: np.ndarray, sigma_to: np.ndarray) -> dict[str, np.ndarray]:
+        """Rows "sigma", "c_x", "c_m": the Euler step x + (sigma_to - sigma) * (x - x0) / sigma, written as
+        (sigma_to / sigma) * x + (1 - sigma_to / sigma) * x0 and expanded over x and the model output: no
+        cancellation in float32 even from sigma = 4096 (zero-SNR), where x is ~1e4 and the result ~10."""
+        rows = self._denoiser(sigma)
+        keep = sigma_to / sigma
+        return {"sigma": sigma, "c_x": keep + (1 - keep) * rows["a"], "c_m": (1 - keep) * rows["b"]}
 
 
 # ----------------------------------------------------------------------------------------------------------

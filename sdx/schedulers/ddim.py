@@ -61,4 +61,4 @@ class DDIM(Scheduler):
         if self.clip_sample:
             x0 = jnp.clip(x0, -self.clip_sample_range, self.clip_sample_range)
         prev = row["x0_scale"] * x0 + row["eps_scale"] * eps
-        return history, prev + row["std"] * noise if self.stochastic else prev
+        return history, (prev + row["std"] * noise) if self.stochastic else prev

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdx.errors import SdxError
-from sdx.schedulers.common import Scheduler, _check, spaced_timesteps, x0_coefficients
+from sdx.schedulers.common import Scheduler, check_field, spaced_timesteps, x0_coefficients
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,7 @@ class DDPM(Scheduler):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(type(self), "variance_type", self.variance_type, ("fixed_small", "fixed_small_log", "fixed_large"))
+        check_field(type(self), "variance_type", self.variance_type, ("fixed_small", "fixed_small_log", "fixed_large"))
 
     @property
     def stochastic(self):

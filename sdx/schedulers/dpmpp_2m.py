@@ -15,15 +15,15 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from sdx.schedulers.common import (Scheduler, _check, karras_sigmas, multistep_timesteps, sigma_to_t,
-                                   train_sigmas, vp_from_sigma, x0_coefficients)
-
-
-def _lambda(sigma):
-    """log-SNR / 2 of the noise level sigma (+inf at sigma = 0)."""
-    alpha, sigma_vp = vp_from_sigma(sigma)
-    with np.errstate(divide="ignore"):
-        return np.log(alpha) - np.log(sigma_vp)
+from sdx.schedulers.common import (
+    Scheduler,
+    check_field,
+    multistep_ladder,
+    train_sigmas,
+    vp_from_sigma,
+    vp_lambda,
+    x0_coefficients,
+)
 
 
 def dpmpp_coefficients(order: int, sigmas: np.ndarray, i: int, solver_type: str) -> tuple[float, np.ndarray]:
@@ -31,7 +31,7 @@ def dpmpp_coefficients(order: int, sigmas: np.ndarray, i: int, solver_type: str)
 
     The paper's D0 = m0, D1 = (m0 - m1) / r0 (2nd order) and D1, D2 from divided differences (3rd order)
     are expanded into weights on the x0 predictions m0 (newest), m1, m2."""
-    lam = _lambda(sigmas[[i + 1, i, i - 1, i - 2][:order + 1]])  # lambda_t, lambda_s0, lambda_s1, ...
+    lam = vp_lambda(sigmas[[i + 1, i, i - 1, i - 2][:order + 1]])  # lambda_t, lambda_s0, lambda_s1, ...
     alpha_t, sigma_t = vp_from_sigma(sigmas[i + 1])
     h = lam[0] - lam[1]
     c_x = sigma_t / vp_from_sigma(sigmas[i])[1]
@@ -84,27 +84,20 @@ class DPMSolverMultistep(Scheduler):
     def __post_init__(self):
         super().__post_init__()
         cls = type(self)
-        _check(cls, "algorithm_type", self.algorithm_type, ("dpmsolver++",))
-        _check(cls, "solver_type", self.solver_type, ("midpoint", "heun"))
-        _check(cls, "solver_order", self.solver_order, (1, 2, 3))
-        _check(cls, "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
+        check_field(cls, "algorithm_type", self.algorithm_type, ("dpmsolver++",))
+        check_field(cls, "solver_type", self.solver_type, ("midpoint", "heun"))
+        check_field(cls, "solver_order", self.solver_order, (1, 2, 3))
+        check_field(cls, "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
 
     def _schedule(self, n):
-        train = train_sigmas(self.alphas_cumprod)
-        lambdas = np.log(np.sqrt(self.alphas_cumprod)) - np.log(np.sqrt(1 - self.alphas_cumprod))
+        acp = self.alphas_cumprod
+        lambdas = np.log(np.sqrt(acp)) - np.log(np.sqrt(1 - acp))  # float32, decreasing in t
         last = self.num_train_timesteps - np.searchsorted(lambdas[::-1], self.lambda_min_clipped)
-        ts = multistep_timesteps(self.timestep_spacing, self.num_train_timesteps, n, self.steps_offset, last)
-        if self.use_karras_sigmas:
-            lo = train[0] if self.sigma_min is None else self.sigma_min
-            hi = train[-1] if self.sigma_max is None else self.sigma_max
-            sigmas = karras_sigmas(lo, hi, n)
-            ts = sigma_to_t(sigmas, np.log(train))
-            if self.beta_schedule != "squaredcos_cap_v2":
-                ts = ts.round()
-        else:
-            sigmas = np.interp(ts, np.arange(len(train)), train)
-        final = train[0] if self.final_sigmas_type == "sigma_min" else 0.0
-        return {"timesteps": ts.astype(np.int64), "sigmas": np.append(sigmas, final).astype(np.float32)}
+        ts, sigmas = multistep_ladder(self, n, karras=bool(self.use_karras_sigmas), sigma_min=self.sigma_min,
+                                      sigma_max=self.sigma_max, last=last,
+                                      round_karras=self.beta_schedule != "squaredcos_cap_v2")
+        final = train_sigmas(acp)[0] if self.final_sigmas_type == "sigma_min" else 0.0
+        return {"timesteps": ts, "sigmas": np.append(sigmas, final).astype(np.float32)}
 
     def _table(self, schedule, begin, end):
         sigmas = schedule["sigmas"].astype(np.float64)

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from sdx.schedulers.common import SigmaScheduler, _check, sigma_ladder
+from sdx.schedulers.common import SigmaScheduler, check_field, sigma_ladder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,9 +30,9 @@ class Euler(SigmaScheduler):
 
     def __post_init__(self):
         super().__post_init__()
-        _check(type(self), "interpolation_type", self.interpolation_type, ("linear", "log_linear"))
-        _check(type(self), "timestep_type", self.timestep_type, ("discrete", "continuous"))
-        _check(type(self), "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
+        check_field(type(self), "interpolation_type", self.interpolation_type, ("linear", "log_linear"))
+        check_field(type(self), "timestep_type", self.timestep_type, ("discrete", "continuous"))
+        check_field(type(self), "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
 
     def _schedule(self, n):
         ts, sigmas = sigma_ladder(self, n, karras=bool(self.use_karras_sigmas),
@@ -44,9 +44,7 @@ class Euler(SigmaScheduler):
 
     def _table(self, schedule, begin, end):
         sigmas = schedule["sigmas"].astype(np.float64)
-        return {**self._denoiser(sigmas[begin:end]), "dt": sigmas[begin + 1:end + 1] - sigmas[begin:end]}
+        return self._euler_step(sigmas[begin:end], sigmas[begin + 1:end + 1])
 
     def _update(self, row, history, model_output, sample, noise):
-        x0 = row["a"] * sample + row["b"] * model_output
-        derivative = (sample - x0) / row["sigma"]
-        return history, sample + derivative * row["dt"]
+        return history, row["c_x"] * sample + row["c_m"] * model_output

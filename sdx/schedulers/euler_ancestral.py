@@ -36,9 +36,7 @@ class EulerAncestral(SigmaScheduler):
         sigma, sigma_next = sigmas[begin:end], sigmas[begin + 1:end + 1]
         sigma_up = np.sqrt(sigma_next**2 * (sigma**2 - sigma_next**2) / sigma**2)
         sigma_down = np.sqrt(sigma_next**2 - sigma_up**2)
-        return {**self._denoiser(sigma), "dt": sigma_down - sigma, "sigma_up": sigma_up}
+        return {**self._euler_step(sigma, sigma_down), "sigma_up": sigma_up}
 
     def _update(self, row, history, model_output, sample, noise):
-        x0 = row["a"] * sample + row["b"] * model_output
-        derivative = (sample - x0) / row["sigma"]
-        return history, sample + derivative * row["dt"] + noise * row["sigma_up"]
+        return history, row["c_x"] * sample + row["c_m"] * model_output + row["sigma_up"] * noise

@@ -15,14 +15,17 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from sdx.schedulers.common import (Scheduler, _check, eps_coefficients, karras_sigmas, multistep_timesteps,
-                                   sigma_to_t, train_sigmas, vp_from_sigma, x0_coefficients)
-
-
-def _lambda(sigma):
-    alpha, sigma_vp = vp_from_sigma(sigma)
-    with np.errstate(divide="ignore"):
-        return np.log(alpha) - np.log(sigma_vp)
+from sdx.errors import SdxError
+from sdx.schedulers.common import (
+    Scheduler,
+    check_field,
+    eps_coefficients,
+    multistep_ladder,
+    train_sigmas,
+    vp_from_sigma,
+    vp_lambda,
+    x0_coefficients,
+)
 
 
 def unipc_coefficients(sigmas: np.ndarray, t: int, s: list[int], order: int, corrector: bool,
@@ -30,29 +33,30 @@ def unipc_coefficients(sigmas: np.ndarray, t: int, s: list[int], order: int, cor
     """Weights of one UniP (corrector=False) or UniC (corrector=True) update from sigmas[s[0]] to sigmas[t].
 
     s: indices of the stored model-output conversions m0 (at s[0], newest), m1, ... The result is
-    (c_x, c) with x_t = c_x * x_{s0} + sum_j c[j] * m_j, where for UniC the last entry of c weighs the
-    conversion at t itself (the new model call)."""
-    lam_t, lam_s0 = _lambda(sigmas[t]), _lambda(sigmas[s[0]])
+    (c_x, c) with x_t = c_x * x_{s0} + sum_j c[j] * m_j, where c[order] weighs the conversion at t itself
+    (the new model call, used by UniC only)."""
+    lam_t, lam_s0 = vp_lambda(sigmas[t]), vp_lambda(sigmas[s[0]])
     alpha_t, sigma_t = vp_from_sigma(sigmas[t])
     alpha_s0, sigma_s0 = vp_from_sigma(sigmas[s[0]])
     h = lam_t - lam_s0
-    rks = np.array([(_lambda(sigmas[s[j]]) - lam_s0) / h for j in range(1, order)] + [1.0])
     hh = -h if predict_x0 else h
     h_phi_1 = np.expm1(hh)
     b_h = hh if bh1 else np.expm1(hh)
-    # b_k = k! * phi_{k+1}(hh) / B(h), phi from the recursion phi_{k+1} = phi_k / hh - 1 / k!
-    b, h_phi_k, factorial = [], h_phi_1 / hh - 1, 1
-    for k in range(1, order + 1):
-        b.append(h_phi_k * factorial / b_h)
-        factorial *= k + 1
-        h_phi_k = h_phi_k / hh - 1 / factorial
-    R = np.stack([rks ** (k - 1) for k in range(1, order + 1)])  # [order, order]
-    b = np.array(b)
-    if corrector:
-        rhos = np.array([0.5]) if order == 1 else np.linalg.solve(R, b)
-    else:
-        rhos = np.array([0.5]) if order == 2 else np.linalg.solve(R[:-1, :-1], b[:-1]) if order > 2 else np.zeros(0)
-    # x_t = c_x x - scale * h_phi_1 * m0 - scale * B(h) * (sum_j rho_j (m_j - m0) / r_j [+ rho_t (m_t - m0)])
+    rks = np.array([(vp_lambda(sigmas[s[j]]) - lam_s0) / h for j in range(1, order)] + [1.0])
+    # rho: the paper's weights on the divided differences D_j = (m_j - m0) / r_j (and D_t = m_t - m0)
+    if (order == 1 and corrector) or (order == 2 and not corrector):
+        rhos = np.array([0.5])
+    elif order == 1:
+        rhos = np.zeros(0)
+    else:  # solve R rho = b, b_k = k! * phi_{k+1}(hh) / B(h), phi_{k+1} = phi_k / hh - 1 / k!
+        b, h_phi_k, factorial = [], h_phi_1 / hh - 1, 1
+        for k in range(1, order + 1):
+            b.append(h_phi_k * factorial / b_h)
+            factorial *= k + 1
+            h_phi_k = h_phi_k / hh - 1 / factorial
+        R = np.stack([rks ** (k - 1) for k in range(1, order + 1)])  # [order, order]
+        rhos = np.linalg.solve(R, b) if corrector else np.linalg.solve(R[:-1, :-1], b[:-1])
+    # x_t = c_x x - scale h_phi_1 m0 - scale B(h) (sum_j rho_j D_j [+ rho_t D_t])
     scale = alpha_t if predict_x0 else sigma_t
     c_x = sigma_t / sigma_s0 if predict_x0 else alpha_t / alpha_s0
     c = np.zeros(order + 1)  # weights on m0 .. m_{order-1}, then m_t
@@ -97,25 +101,22 @@ class UniPC(Scheduler):
     def __post_init__(self):
         super().__post_init__()
         cls = type(self)
-        _check(cls, "solver_type", self.solver_type, ("bh1", "bh2"))
-        _check(cls, "solver_order", self.solver_order, (1, 2, 3))
-        _check(cls, "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
+        check_field(cls, "solver_type", self.solver_type, ("bh1", "bh2"))
+        check_field(cls, "solver_order", self.solver_order, (1, 2, 3))
+        check_field(cls, "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
+        if self.final_sigmas_type == "zero" and (self.solver_type == "bh1" or not self.predict_x0):
+            raise SdxError(f"scheduler config: UniPCMultistepScheduler solver_type={self.solver_type!r} with "
+                           f"predict_x0={self.predict_x0} steps to sigma = 0 through 0 * inf (diffusers returns NaN "
+                           "there); set final_sigmas_type='sigma_min' or use solver_type='bh2', predict_x0=true")
 
     def _schedule(self, n):
-        T = self.num_train_timesteps
-        train = train_sigmas(self.alphas_cumprod)
-        ts = multistep_timesteps(self.timestep_spacing, T, n, self.steps_offset, T)
-        if self.use_karras_sigmas:
-            lo = train[0] if self.sigma_min is None else self.sigma_min
-            hi = train[-1] if self.sigma_max is None else self.sigma_max
-            sigmas = karras_sigmas(lo, hi, n)
-            ts = sigma_to_t(sigmas, np.log(train)).round()
-            final = sigmas[-1]
-        else:
-            sigmas = np.interp(ts, np.arange(len(train)), train)
-            final = train[0]
-        final = final if self.final_sigmas_type == "sigma_min" else 0.0
-        return {"timesteps": ts.astype(np.int64), "sigmas": np.append(sigmas, final).astype(np.float32)}
+        ts, sigmas = multistep_ladder(self, n, karras=bool(self.use_karras_sigmas), sigma_min=self.sigma_min,
+                                      sigma_max=self.sigma_max, last=self.num_train_timesteps)
+        if self.final_sigmas_type == "zero":
+            final = 0.0
+        else:  # the smallest sigma of the ladder: the Karras end, or the first training sigma
+            final = sigmas[-1] if self.use_karras_sigmas else train_sigmas(self.alphas_cumprod)[0]
+        return {"timesteps": ts, "sigmas": np.append(sigmas, final).astype(np.float32)}
 
     def _table(self, schedule, begin, end):
         sigmas = schedule["sigmas"].astype(np.float64)

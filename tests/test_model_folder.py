@@ -1,0 +1,321 @@
+"""The sdx model folder (sdx/model_folder.py) and the weight I/O under it (sdx/weights.py).
+
+No torch here: folders are written from random arrays shaped by the `tiny` preset's abstract models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from sdx import model_folder, presets, weights
+from sdx.errors import SdxError
+from sdx.layers import Compute
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _random_parts(preset: str, seed: int = 0) -> dict[str, model_folder.ModelPart]:
+    p = presets.get(preset)
+    rng = np.random.default_rng(seed)
+    parts = {}
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if name not in p.configs:
+            continue
+        kind = model_folder.MODEL_KINDS[name]
+        config = kind.config_from_diffusers(p.configs[name])
+        shapes = weights.param_shapes(kind.abstract(config))
+        arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        cls = p.configs[name].get("_class_name") or p.configs[name]["architectures"][0]
+        parts[name] = model_folder.ModelPart(cls=cls, config=config, arrays=arrays, source_config=p.configs[name])
+    return parts
+
+
+def _write(out: Path, preset: str = "tiny", **kw) -> Path:
+    from tests.tiny_models import write_clip_tokenizer
+
+    p = presets.get(preset)
+    toks = {t: write_clip_tokenizer(out.parent / f"{out.name}-src-{t}") for t in p.tokenizers}
+    return model_folder.write_model_folder(
+        out, pipeline_class=p.pipeline_class, models=kw.pop("models", None) or _random_parts(preset),
+        tokenizers=toks, scheduler=p.configs["scheduler"], extra=p.extra, **kw,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("m") / "tiny")
+
+
+def _params(model) -> dict[str, jax.Array]:
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_load_component_as_stored_cast_and_placed(tiny):
+    stored = model_folder.read_arrays(tiny, "vae")
+    vae = model_folder.load_component(tiny, "vae")
+    params = _params(vae)
+    assert set(params) == set(stored)
+    for k, v in params.items():
+        assert v.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(v), stored[k])
+
+    vae16 = model_folder.load_component(tiny, "vae", dtype="bfloat16")
+    assert {v.dtype for v in _params(vae16).values()} == {jnp.dtype(jnp.bfloat16)}
+    assert vae16.compute.param_dtype == jnp.bfloat16 and vae16.compute.dtype == jnp.bfloat16
+
+    run_f32 = Compute(dtype=jnp.float32)
+    vae_mixed = model_folder.load_component(tiny, "vae", dtype=jnp.bfloat16, compute=run_f32)
+    assert vae_mixed.compute.dtype == jnp.float32 and vae_mixed.compute.param_dtype == jnp.bfloat16
+
+    device = jax.devices()[0]
+    single = jax.sharding.SingleDeviceSharding(device)
+    te = model_folder.load_component(tiny, "text_encoder", sharding=single)
+    assert all(v.sharding == single for v in _params(te).values())
+    seen = []
+
+    def rule(path, shape):
+        seen.append((path, shape))
+        return single
+
+    te = model_folder.load_component(tiny, "text_encoder", sharding=rule)
+    stored = model_folder.read_arrays(tiny, "text_encoder")
+    assert dict(seen) == {k: v.shape for k, v in stored.items()}
+    for k, v in _params(te).items():
+        np.testing.assert_array_equal(np.asarray(v), stored[k])
+
+
+def test_load_pipeline(tiny):
+    from sdx.tokenizer import CLIPTokenizer
+
+    pipe = model_folder.load_pipeline(tiny, models=("text_encoder", "vae"))
+    assert pipe.pipeline_class == "StableDiffusionPipeline"
+    assert set(pipe.models) == {"text_encoder", "vae"}
+    assert set(pipe.configs) == {"unet", "vae", "text_encoder"}
+    assert pipe.configs["unet"] == model_folder.MODEL_KINDS["unet"].config_from_diffusers(presets.get("tiny").configs["unet"])
+    assert isinstance(pipe.tokenizers["tokenizer"], CLIPTokenizer)
+    assert pipe.scheduler_config == presets.get("tiny").configs["scheduler"]
+    assert pipe.dtype == "float32"
+    ids = jnp.zeros((1, 77), jnp.int32)
+    assert pipe.models["text_encoder"](ids).last_hidden_state.shape == (1, 77, 32)
+    with pytest.raises(SdxError, match="no model component"):
+        model_folder.load_pipeline(tiny, models=("text_encoder_2",))
+
+
+def test_sharded_load_over_fake_devices(tiny):
+    """FSDP-sharded loading over 4 fake CPU devices: each device gets its slice; values intact."""
+    code = textwrap.dedent(f"""
+        import numpy as np, jax
+        from sdx import mesh, model_folder
+        from flax import nnx
+        assert len(jax.devices()) == 4
+        m = mesh.make_mesh(fsdp=4)
+        unet = model_folder.load_component({str(tiny)!r}, "unet", sharding=mesh.param_sharding(m, min_size=1024))
+        stored = model_folder.read_arrays({str(tiny)!r}, "unet")
+        split = 0
+        for p, v in nnx.to_flat_state(nnx.state(unet, nnx.Param)):
+            a = v.get_value()
+            key = ".".join(map(str, p))
+            np.testing.assert_array_equal(np.asarray(a), stored[key])
+            if a.addressable_shards[0].data.shape != a.shape:
+                split += 1
+        assert split > 10, split
+        print("ok", split)
+    """)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("ok")
+
+
+def _edit_file(folder: Path, name: str, edit) -> Path:
+    path = folder / f"{name}.safetensors"
+    arrays = {k: np.array(v) for k, v in weights.read_safetensors(path).items()}
+    edit(arrays)
+    weights.write_safetensors(path, arrays, metadata={"component": name})
+    return path
+
+
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (lambda a: a.pop("decoder.conv_out.bias"), ["missing", "decoder.conv_out.bias"]),
+        (lambda a: a.update({"decoder.extra.kernel": np.zeros(2, np.float32)}), ["'decoder.extra.kernel'", "unexpected"]),
+        (lambda a: a.update({"decoder.conv_out.bias": np.zeros(2, np.float32)}), ["'decoder.conv_out.bias'", "(2,)"]),
+    ],
+    ids=["missing", "extra", "misshapen"],
+)
+def test_load_is_strict(tiny, tmp_path, edit, words):
+    folder = tmp_path / "m"
+    model_folder.resave(tiny, folder, dtype="float32")
+    path = _edit_file(folder, "vae", edit)
+    with pytest.raises(SdxError) as info:
+        model_folder.load_component(folder, "vae")
+    for w in [str(path), *words]:
+        assert w in str(info.value)
+
+
+def test_spec_is_checked(tiny, tmp_path):
+    folder = tmp_path / "m"
+    model_folder.resave(tiny, folder, dtype="float32")
+    spec = json.loads((folder / "sdx.json").read_text())
+    (folder / "sdx.json").write_text(json.dumps({**spec, "format_version": 99}))
+    with pytest.raises(SdxError, match="format_version 99"):
+        model_folder.load_component(folder, "vae")
+    (folder / "sdx.json").write_text(json.dumps({**spec, "pipeline_class": "FluxPipeline"}))
+    with pytest.raises(SdxError, match="unknown pipeline class 'FluxPipeline'"):
+        model_folder.read_spec(folder)
+    (folder / "sdx.json").write_text(json.dumps(spec))
+    (folder / "unet.safetensors").rename(folder / "vae.safetensors")
+    with pytest.raises(SdxError, match="holds component 'unet'"):
+        model_folder.load_component(folder, "vae")
+    with pytest.raises(SdxError, match="not an sdx model folder"):
+        model_folder.read_spec(tmp_path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def test_write_is_atomic_and_strict(tmp_path):
+    parts = _random_parts("tiny")
+    parts["vae"].arrays.pop("quant_conv.bias")
+    with pytest.raises(SdxError, match="quant_conv.bias"):
+        _write(tmp_path / "out", models=parts)
+    assert not [p for p in tmp_path.iterdir() if p.name == "out" or p.name.startswith("out.")]
+    good = _random_parts("tiny")
+    out = _write(tmp_path / "out", models=good, dtype="float16")
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~weights._UMASK)
+    assert oct((out / "unet.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~weights._UMASK)
+    with pytest.raises(SdxError, match="not empty"):
+        _write(tmp_path / "out", models=good)
+
+
+def test_module_arrays_round_trip(tiny, tmp_path):
+    """A trainer saves live models with module_arrays + write_model_folder; loading gives them back."""
+    unet = model_folder.load_component(tiny, "unet")
+    parts = _random_parts("tiny")
+    parts["unet"].arrays = model_folder.module_arrays(unet)
+    out = _write(tmp_path / "out", models=parts)
+    again = model_folder.load_component(out, "unet")
+    for (k, a), (k2, b) in zip(sorted(_params(unet).items()), sorted(_params(again).items())):
+        assert k == k2
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sdxl_layout_and_torch_state(tmp_path):
+    out = _write(tmp_path / "xl", preset="tiny_xl")
+    spec = model_folder.read_spec(out)
+    assert spec["components"]["text_encoder_2"]["class"] == "CLIPTextModelWithProjection"
+    assert spec["extra"] == {"force_zeros_for_empty_prompt": True}
+    assert sorted(p.name for p in out.iterdir()) == [
+        "sdx.json", "text_encoder.safetensors", "text_encoder_2.safetensors", "tokenizer", "tokenizer_2",
+        "unet.safetensors", "vae.safetensors",
+    ]
+    state = model_folder.torch_state(out, "text_encoder_2")
+    arrays = model_folder.read_arrays(out, "text_encoder_2")
+    np.testing.assert_array_equal(state["text_projection.weight"], arrays["text_projection.kernel"].T)
+    assert "text_model.final_layer_norm.weight" in state
+
+
+# --------------------------------------------------------------------------------------------------
+# sdx.weights
+
+
+class _Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(10, 4, rngs=rngs)
+        self.lin = nnx.Linear(4, 3, rngs=rngs)
+        self.conv = nnx.Conv(3, 5, (3, 2), rngs=rngs)
+        self.norm = nnx.LayerNorm(5, rngs=rngs)
+
+
+def test_torch_mapping_is_bidirectional():
+    rng = np.random.default_rng(0)
+    torch_state = {
+        "emb.weight": rng.standard_normal((10, 4)), "lin.weight": rng.standard_normal((3, 4)), "lin.bias": rng.standard_normal(3),
+        "conv.weight": rng.standard_normal((5, 3, 3, 2)), "conv.bias": rng.standard_normal(5),
+        "norm.weight": rng.standard_normal(5), "norm.bias": rng.standard_normal(5),
+    }
+    model = weights.abstract(_Tiny)
+    sdx = weights.from_torch_keys(weights.param_shapes(model), torch_state, where="t")
+    assert sdx["emb.embedding"].shape == (10, 4) and sdx["lin.kernel"].shape == (4, 3)
+    assert sdx["conv.kernel"].shape == (3, 2, 3, 5) and "norm.scale" in sdx
+    back = weights.to_torch_keys(sdx)
+    assert set(back) == set(torch_state)
+    for k in torch_state:
+        np.testing.assert_array_equal(back[k], torch_state[k])
+    live = weights.materialize(model, sdx)
+    x = jnp.asarray(rng.standard_normal((1, 4, 4, 3)), jnp.float32)
+    ref = jax.lax.conv_general_dilated(  # torch semantics: OIHW kernel, cross-correlation, SAME padding
+        x.transpose(0, 3, 1, 2), jnp.asarray(torch_state["conv.weight"], jnp.float32), (1, 1), "SAME",
+    ).transpose(0, 2, 3, 1) + torch_state["conv.bias"]
+    np.testing.assert_allclose(np.asarray(live.conv(x)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def test_abstract_matches_a_real_build():
+    """`abstract` uses constant-key Rngs for speed; shapes and dtypes must equal a normal build's."""
+    for preset, names in (("tiny", ("unet", "vae", "text_encoder")), ("tiny_xl", ("text_encoder_2",))):
+        for name, part in _random_parts(preset).items():
+            if name not in names:
+                continue
+            kind = model_folder.MODEL_KINDS[name]
+            cp = Compute(param_dtype=jnp.bfloat16)
+            ours = nnx.state(kind.abstract(part.config, cp))
+            ref = nnx.state(nnx.eval_shape(lambda: kind.build(part.config, cp, nnx.Rngs(0))), nnx.Param)
+            flat = lambda s: {p: (v.get_value().shape, v.get_value().dtype) for p, v in nnx.to_flat_state(s)}  # noqa: E731
+            assert flat(ours) == flat(ref), (preset, name)
+
+
+def test_safetensors_io_matches_the_library(tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    tensors = {
+        "a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones((2, 2), ml_dtypes.bfloat16),
+        "c": np.array([1, 2], np.int64), "d": np.full((), 3.0, np.float16), "e": np.zeros((0, 3), np.float32),
+        "t": np.arange(6, dtype=np.float32).reshape(2, 3).T,  # not contiguous
+    }
+    weights.write_safetensors(tmp_path / "ours.safetensors", tensors, metadata={"component": "x"})
+    with safe_open(tmp_path / "ours.safetensors", framework="numpy") as f:
+        assert f.metadata() == {"component": "x"}
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(f.get_tensor(k), v)
+            assert f.get_tensor(k).dtype == v.dtype
+    save_file({k: v.copy(order="C") for k, v in tensors.items()}, tmp_path / "lib.safetensors")
+    for path in (tmp_path / "ours.safetensors", tmp_path / "lib.safetensors"):
+        got = weights.read_safetensors(path)
+        assert set(got) == set(tensors)
+        for k, v in tensors.items():
+            np.testing.assert_array_equal(got[k], v)
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape
+    assert weights.read_safetensors_metadata(tmp_path / "ours.safetensors") == {"component": "x"}
+
+    data = (tmp_path / "lib.safetensors").read_bytes()
+    bad = tmp_path / "bad.safetensors"
+    for blob, words in [
+        (data[:-4], "truncated file: tensor"),
+        (data + b"\0" * 8, "trailing bytes"),
+        (data[:5], "too short"),
+        ((2**40).to_bytes(8, "little") + data[8:], "truncated or not a safetensors file"),
+        (data[:8] + b"x" + data[9:], "not JSON"),
+    ]:
+        bad.write_bytes(blob)
+        with pytest.raises(SdxError, match=words) as info:
+            weights.read_safetensors(bad)
+        assert str(bad) in str(info.value)
