@@ -273,7 +273,7 @@ def read_diffusers_folder(
     configs: dict[str, dict] = {}
     tensors: dict[str, dict[str, np.ndarray]] = {}
     tokenizers: dict[str, Path] = {}
-    for name, (library, cls) in index.components.items():
+    for name, (library, _cls) in index.components.items():
         sub = folder / name
         if name in model_folder.MODEL_KINDS:
             config = _read_json(sub / "config.json")

@@ -274,7 +274,7 @@ def load_component(
 
 
 @dataclasses.dataclass
-class Pipeline:
+class PipelineParts:
     """Everything a sampler needs from a model folder. `models`/`configs`: by component name
     ("unet", "vae", "text_encoder", "text_encoder_2"); `tokenizers`: "tokenizer", "tokenizer_2"."""
 
@@ -301,7 +301,7 @@ def load_pipeline(
     sharding: weights.Sharding = None,
     models: tuple[str, ...] | None = None,
     tokenizers: bool = True,
-) -> Pipeline:
+) -> PipelineParts:
     """Load the folder's models (all, or those named in `models`), tokenizers and scheduler config.
 
     `compute` may be one Compute for every model or a dict by component name (missing names take the
@@ -316,7 +316,7 @@ def load_pipeline(
             raise SdxError(f"{folder}: no model component(s) {', '.join(unknown)} (it has {', '.join(names)})")
     cps = compute if isinstance(compute, Mapping) else {n: compute for n in names}
     loaded = {n: load_component(folder, n, dtype=dtype, compute=cps.get(n), sharding=sharding, spec=spec) for n in names}
-    return Pipeline(
+    return PipelineParts(
         pipeline_class=spec["pipeline_class"],
         models=loaded,
         configs={n: model_config(folder, n, spec=spec) for n in spec["components"] if n in MODEL_KINDS},

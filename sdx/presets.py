@@ -300,7 +300,7 @@ _add(
     "sdxl_pix2pix", "diffusers/sdxl-instructpix2pix-768", "StableDiffusionXLInstructPix2PixPipeline",
     {"unet": {**_SDXL_UNET, "in_channels": 8}, "vae": _SDXL_VAE, "text_encoder": _CLIP_L,
      "text_encoder_2": _OPEN_CLIP_BIG_G, "scheduler": _SDXL_SCHEDULER},
-    extra={"force_zeros_for_empty_prompt": True, "is_cosxl_edit": False},
+    extra={"force_zeros_for_empty_prompt": True},
     tokenizers={"tokenizer": _OPENAI_TOKENIZER, "tokenizer_2": _OPEN_CLIP_TOKENIZER},
 )
 _add(

@@ -244,7 +244,10 @@ def run(args: argparse.Namespace) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed as one line
+        return int(e.code or 0)
     try:
         run(args)
     except SdxError as e:

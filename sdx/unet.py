@@ -416,19 +416,21 @@ class UNetConfig:
 
 
 # --------------------------------------------------------------------------------------------------
-# Presets: the unet/config.json of the released checkpoints, normalised.
+# Presets: the unet/config.json of the released checkpoints, normalised. The same architectures are
+# in `sdx.presets` as diffusers-style dicts (with the other components); a test keeps the two equal.
 # --------------------------------------------------------------------------------------------------
 
 # runwayml/stable-diffusion-v1-5 (and CompVis v1-1..v1-4): 8 heads everywhere, conv proj_in/proj_out.
 SD15 = UNetConfig(sample_size=64)
 # timbrooks/instruct-pix2pix: SD 1.5 with 8 input channels (noisy latent + image latent).
 PIX2PIX = dataclasses.replace(SD15, in_channels=8)
-# stabilityai/stable-diffusion-2-1 (768-v; 2-base/2-1-base differ only in sample_size 64 and upcast):
-# 64-wide heads, linear proj_in/proj_out, OpenCLIP-H context (1024).
+# stabilityai/stable-diffusion-2-1-base: 64-wide heads, linear proj_in/proj_out, OpenCLIP-H context (1024).
 SD21 = dataclasses.replace(
     SD15, num_attention_heads=(5, 10, 20, 20), cross_attention_dim=(1024,) * 4, use_linear_projection=True,
-    upcast_attention=True, sample_size=96,
 )
+# stabilityai/stable-diffusion-2-1 (768-v): the same weights' shapes, trained at 96x96 latents, with
+# upcast_attention (fp16 overflow in the softmax; sdx's softmax is float32 anyway).
+SD21_V = dataclasses.replace(SD21, upcast_attention=True, sample_size=96)
 # stabilityai/stable-diffusion-xl-base-1.0: three levels, 1/2/10 transformer layers, 2048 context
 # (CLIP-L 768 + OpenCLIP-bigG 1280), added conditioning 1280 pooled + 6 time ids x 256 = 2816.
 SDXL_BASE = UNetConfig(
@@ -446,6 +448,8 @@ SDXL_BASE = UNetConfig(
     projection_class_embeddings_input_dim=2816,
     sample_size=128,
 )
+# diffusers/sdxl-instructpix2pix-768: SDXL base with an 8-channel conv_in.
+SDXL_PIX2PIX = dataclasses.replace(SDXL_BASE, in_channels=8)
 # stabilityai/stable-diffusion-xl-refiner-1.0 (SGM sd_xl_refiner.yaml: model_channels 384, channel_mult
 # 1,2,4,4, num_head_channels 64, attention at levels 1-2, transformer_depth 4, context 1280 = bigG only,
 # adm 2560 = 1280 pooled + 5 time ids x 256).
@@ -463,37 +467,42 @@ SDXL_REFINER = UNetConfig(
     projection_class_embeddings_input_dim=2560,
     sample_size=128,
 )
-# The shapes of diffusers' own tiny test UNets (hf-internal-testing/tiny-stable-diffusion-pipe and the
-# SDXL pipeline tests): 32/64 channels, context 32 (one tiny CLIP) or 64 (two, concatenated), SDXL-style
-# added conditioning 32 pooled + 6 x 8 = 80.
+# Small random-weight architectures for demos and smoke tests (`sdx.presets` pairs them with tiny CLIPs
+# of width 32, and 32 + 64 for the SDXL-like one): 32/64 channels, 1.4M / 2M parameters.
 TINY = UNetConfig(
     block_out_channels=(32, 64),
-    down_block_types=(PLAIN_DOWN, CROSS_DOWN),
-    up_block_types=(CROSS_UP, PLAIN_UP),
+    down_block_types=(CROSS_DOWN, PLAIN_DOWN),
+    up_block_types=(PLAIN_UP, CROSS_UP),
     layers_per_block=(2, 2),
     transformer_layers_per_block=(1, 1),
-    num_attention_heads=(2, 4),
+    num_attention_heads=(8, 8),
     cross_attention_dim=(32, 32),
     only_cross_attention=(False, False),
     sample_size=32,
 )
 TINY_XL = dataclasses.replace(
-    TINY,
+    SDXL_BASE,
+    block_out_channels=(32, 64),
+    down_block_types=(PLAIN_DOWN, CROSS_DOWN),
+    up_block_types=(CROSS_UP, PLAIN_UP),
+    layers_per_block=(2, 2),
     transformer_layers_per_block=(1, 2),
-    cross_attention_dim=(64, 64),
-    use_linear_projection=True,
-    addition_embed_type="text_time",
+    num_attention_heads=(2, 4),
+    cross_attention_dim=(96, 96),
+    only_cross_attention=(False, False),
     addition_time_embed_dim=8,
-    projection_class_embeddings_input_dim=80,
+    projection_class_embeddings_input_dim=64 + 6 * 8,  # pooled width of the second tiny CLIP + 6 ids x 8
+    sample_size=32,
 )
 
 PRESETS: dict[str, UNetConfig] = {
     "sd15": SD15,
     "sd21": SD21,
-    "sd21_v": SD21,
+    "sd21_v": SD21_V,
     "sdxl_base": SDXL_BASE,
     "sdxl_refiner": SDXL_REFINER,
     "pix2pix": PIX2PIX,
+    "sdxl_pix2pix": SDXL_PIX2PIX,
     "tiny": TINY,
     "tiny_xl": TINY_XL,
 }

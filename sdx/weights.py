@@ -126,7 +126,8 @@ def from_torch_keys(
         out[path] = converted
     missing = sorted(set(targets) - set(out))
     if missing:
-        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        names = [torch_key(p) if torch_key(p) == p else f"{torch_key(p)} (as {p})" for p in missing[:5]]
+        shown = ", ".join(names) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise SdxError(f"{where}: {len(missing)} parameter(s) missing from the checkpoint: {shown}")
     return out
 

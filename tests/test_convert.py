@@ -21,7 +21,7 @@ from safetensors.numpy import load_file, save_file
 
 from convert import cli, diffusers_folder, hub
 from convert.sdx_folder import read_sdx_folder
-from sdx import model_folder, weights
+from sdx import model_folder
 from sdx.errors import SdxError
 
 torch = pytest.importorskip("torch")
@@ -99,7 +99,7 @@ def test_sdxl_folder_reproduces_diffusers(sdxl, sdxl_out):
             ref = ref_model(torch.tensor(ids), output_hidden_states=True)
         out = nnx.jit(lambda m, i: m(i))(pipe.models[name], jnp.asarray(ids, jnp.int32))
         assert len(out.hidden_states) == len(ref.hidden_states)
-        for ours, theirs in zip(out.hidden_states, ref.hidden_states):
+        for ours, theirs in zip(out.hidden_states, ref.hidden_states, strict=True):
             np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(out.last_hidden_state), ref.last_hidden_state.numpy(), atol=1e-4, rtol=1e-4)
         if name == "text_encoder_2":

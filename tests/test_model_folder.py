@@ -213,7 +213,7 @@ def test_module_arrays_round_trip(tiny, tmp_path):
     parts["unet"].arrays = model_folder.module_arrays(unet)
     out = _write(tmp_path / "out", models=parts)
     again = model_folder.load_component(out, "unet")
-    for (k, a), (k2, b) in zip(sorted(_params(unet).items()), sorted(_params(again).items())):
+    for (k, a), (k2, b) in zip(sorted(_params(unet).items()), sorted(_params(again).items()), strict=True):
         assert k == k2
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -277,7 +277,7 @@ def test_abstract_matches_a_real_build():
             kind = model_folder.MODEL_KINDS[name]
             cp = Compute(param_dtype=jnp.bfloat16)
             ours = nnx.state(kind.abstract(part.config, cp))
-            ref = nnx.state(nnx.eval_shape(lambda: kind.build(part.config, cp, nnx.Rngs(0))), nnx.Param)
+            ref = nnx.state(nnx.eval_shape(lambda k=kind, c=part.config, cp=cp: k.build(c, cp, nnx.Rngs(0))), nnx.Param)
             flat = lambda s: {p: (v.get_value().shape, v.get_value().dtype) for p, v in nnx.to_flat_state(s)}  # noqa: E731
             assert flat(ours) == flat(ref), (preset, name)
 

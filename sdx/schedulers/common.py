@@ -5,9 +5,9 @@ Two halves, on purpose:
 
 * the host half (numpy, run once per generation, outside jit) turns a diffusers `scheduler_config.json`
   plus a step count into per-call tables. The training noise schedule (betas, alphas_cumprod) is rebuilt in
-  float32 bit for bit as diffusers builds it in torch, because everything downstream (sigmas, timesteps,
-  coefficients) is sensitive to its last bit; per-call coefficients are then derived in float64 and stored
-  as float32;
+  float32 as diffusers builds it in torch, bit for bit (the zero-SNR rescale aside: torch's CPU sqrt is not
+  always correctly rounded), because the low-noise sigmas depend on its last bit; sigmas and timesteps
+  follow diffusers' numpy code; per-call coefficients are derived in float64 and stored as float32;
 * the device half (jax, float32, inside `lax.scan`/`fori_loop`) is each sampler's `_update`: a few
   elementwise lines that read one table row per model call.
 

@@ -43,8 +43,7 @@ class Heun(SigmaScheduler):
         calls = np.arange(begin, end)
         predictor = (calls - begin) % 2 == 0
         # predictor: from sigma[i] to sigma[i+1]; corrector: redo the step from sigma[i-1] to sigma[i]
-        dt = np.where(predictor, sigmas[np.minimum(calls + 1, len(sigmas) - 1)] - sigmas[calls],
-                      sigmas[calls] - sigmas[np.maximum(calls - 1, 0)])
+        dt = np.where(predictor, sigmas[calls + 1] - sigmas[calls], sigmas[calls] - sigmas[np.maximum(calls - 1, 0)])
         return {**self._denoiser(sigmas[calls]), "dt": dt, "predictor": predictor}
 
     def _history(self):
