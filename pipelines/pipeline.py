@@ -78,7 +78,7 @@ class Pipeline:
             tokenizers={t: model_folder.load_tokenizer(folder, t, spec=spec) for t in ("tokenizer", "tokenizer_2") if t in spec["components"]},
             sampler=Sampler(loaded, mesh),
             factor=factor,
-            multiple=factor * 2 ** (len(unet_cfg.block_out_channels) - 1),
+            multiple=factor,  # the UNet resizes its up-sampling to its skips, as diffusers' does
             channels=vae_cfg.latent_channels,
             default_size=_trained_size(unet_cfg.sample_size) * factor,
             name=name or str(folder),

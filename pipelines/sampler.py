@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -212,8 +213,6 @@ class Sampler:
 
     def compiled(self, plan: Plan, inputs: Inputs):
         if plan not in self._compiled:
-            import time
-
             t0 = time.perf_counter()
             fn = jax.jit(lambda params, inp: _generate(self.graphdef, params, inp, plan))
             self._compiled[plan] = fn.lower(self.params, inputs).compile()

@@ -137,7 +137,9 @@ def _per_level(name: str, value, n: int, kind) -> tuple:
     """diffusers' `int or list` fields as an n-tuple; a list of the wrong length names the field."""
     if isinstance(value, (list, tuple)):
         if len(value) != n:
-            raise SdxError(f"unet config: {name} has {len(value)} entries but there are {n} levels (block_out_channels)")
+            raise SdxError(
+                f"unet config: {name} has {len(value)} entries but there are {n} levels (block_out_channels)"
+            )
         return tuple(kind(v) for v in value)
     return (kind(value),) * n
 
@@ -199,11 +201,16 @@ class UNetConfig:
         for name in ("down_block_types", "up_block_types", "layers_per_block", "transformer_layers_per_block",
                      "num_attention_heads", "cross_attention_dim", "only_cross_attention"):
             if len(getattr(self, name)) != n:
-                raise SdxError(f"unet config: {name} has {len(getattr(self, name))} entries, block_out_channels has {n}")
-        for name, allowed in (("down_block_types", (CROSS_DOWN, PLAIN_DOWN)), ("up_block_types", (CROSS_UP, PLAIN_UP))):
+                raise SdxError(
+                    f"unet config: {name} has {len(getattr(self, name))} entries, block_out_channels has {n}"
+                )
+        kinds = (("down_block_types", (CROSS_DOWN, PLAIN_DOWN)), ("up_block_types", (CROSS_UP, PLAIN_UP)))
+        for name, allowed in kinds:
             for t in getattr(self, name):
                 if t not in allowed:
-                    raise SdxError(f"unet config: {name} entry {t!r} is not implemented in sdx (only {', '.join(allowed)})")
+                    raise SdxError(
+                        f"unet config: {name} entry {t!r} is not implemented in sdx (only {', '.join(allowed)})"
+                    )
         if self.mid_block_type not in (CROSS_MID, PLAIN_MID, None):
             raise SdxError(
                 f"unet config: mid_block_type {self.mid_block_type!r} is not implemented in sdx "
@@ -222,23 +229,30 @@ class UNetConfig:
                 "projection_class_embeddings_input_dim"
             )
         if self.downsample_padding not in (0, 1):
-            raise SdxError(f"unet config: downsample_padding {self.downsample_padding} is not implemented (only 0 or 1)")
+            raise SdxError(
+                f"unet config: downsample_padding {self.downsample_padding} is not implemented (only 0 or 1)"
+            )
         for name in ("conv_in_kernel", "conv_out_kernel"):
             k = getattr(self, name)
             if k < 1 or k % 2 == 0:
                 raise SdxError(f"unet config: {name} {k} is not implemented (odd kernel sizes only)")
-        for c, heads, t in zip(self.block_out_channels, self.num_attention_heads, self.down_block_types):
+        for level, (c, heads) in enumerate(zip(self.block_out_channels, self.num_attention_heads)):
             if c % self.norm_num_groups:
-                raise SdxError(f"unet config: block_out_channels {c} is not divisible by norm_num_groups {self.norm_num_groups}")
-            if t == CROSS_DOWN and (heads < 1 or c % heads):
-                raise SdxError(f"unet config: {c} channels do not split into num_attention_heads (attention_head_dim) {heads}")
+                raise SdxError(
+                    f"unet config: block_out_channels {c} is not divisible by norm_num_groups {self.norm_num_groups}"
+                )
+            if level in self.attention_levels and (heads < 1 or c % heads):
+                raise SdxError(
+                    f"unet config: {c} channels do not split into num_attention_heads (attention_head_dim) {heads}"
+                )
         asymmetric = any(isinstance(x, tuple) for x in self.transformer_layers_per_block)
         if asymmetric and self.reverse_transformer_layers_per_block is None:
             raise SdxError(
                 "unet config: transformer_layers_per_block has per-layer lists; "
                 "reverse_transformer_layers_per_block must then be given (as diffusers requires)"
             )
-        if self.reverse_transformer_layers_per_block is not None and len(self.reverse_transformer_layers_per_block) != n:
+        reverse = self.reverse_transformer_layers_per_block
+        if reverse is not None and len(reverse) != n:
             raise SdxError(f"unet config: reverse_transformer_layers_per_block needs {n} entries")
         for i in range(n):  # every per-layer list matches its block's resnet count
             self.down_transformer_layers(i)
@@ -251,6 +265,15 @@ class UNetConfig:
         return len(self.block_out_channels)
 
     @property
+    def attention_levels(self) -> tuple[int, ...]:
+        """The levels (0 = full resolution) with a Transformer2DModel in a down, mid or up block."""
+        n = self.levels
+        found = {i for i, t in enumerate(self.down_block_types) if t == CROSS_DOWN}
+        found |= {n - 1 - i for i, t in enumerate(self.up_block_types) if t == CROSS_UP}
+        found |= {n - 1} if self.mid_block_type == CROSS_MID else set()
+        return tuple(sorted(found))
+
+    @property
     def time_embed_dim(self) -> int:
         return self.time_embedding_dim or 4 * self.block_out_channels[0]
 
@@ -261,7 +284,9 @@ class UNetConfig:
 
     def down_transformer_layers(self, level: int) -> tuple[int, ...]:
         """BasicTransformerBlock count of each Transformer2DModel of down block `level`."""
-        return self._expand("transformer_layers_per_block", self.transformer_layers_per_block[level], self.layers_per_block[level])
+        return self._expand(
+            "transformer_layers_per_block", self.transformer_layers_per_block[level], self.layers_per_block[level]
+        )
 
     def up_transformer_layers(self, i: int) -> tuple[int, ...]:
         """Same for up block `i` (i = 0 is the deepest level)."""
@@ -312,9 +337,14 @@ class UNetConfig:
         if heads is None or (isinstance(heads, (list, tuple)) and any(h is None for h in heads)):
             raise SdxError("unet config: attention_head_dim=None is not implemented (heads must be given per level)")
         tlpb = f["transformer_layers_per_block"]
-        tlpb = tuple(_layer_counts("transformer_layers_per_block", v) for v in tlpb) if isinstance(tlpb, (list, tuple)) else (int(tlpb),) * n
+        if isinstance(tlpb, (list, tuple)):
+            tlpb = tuple(_layer_counts("transformer_layers_per_block", v) for v in tlpb)
+        else:
+            tlpb = (int(tlpb),) * n
         if len(tlpb) != n:
-            raise SdxError(f"unet config: transformer_layers_per_block has {len(tlpb)} entries but there are {n} levels")
+            raise SdxError(
+                f"unet config: transformer_layers_per_block has {len(tlpb)} entries but there are {n} levels"
+            )
         rev = f["reverse_transformer_layers_per_block"]
         if rev is not None:
             rev = tuple(_layer_counts("reverse_transformer_layers_per_block", v) for v in rev)
@@ -364,7 +394,8 @@ class UNetConfig:
             layers_per_block=list(self.layers_per_block),
             transformer_layers_per_block=lists(self.transformer_layers_per_block),
             reverse_transformer_layers_per_block=(
-                None if self.reverse_transformer_layers_per_block is None else lists(self.reverse_transformer_layers_per_block)
+                None if self.reverse_transformer_layers_per_block is None
+                else lists(self.reverse_transformer_layers_per_block)
             ),
             attention_head_dim=list(self.num_attention_heads),
             cross_attention_dim=list(self.cross_attention_dim),
@@ -468,7 +499,7 @@ SDXL_REFINER = UNetConfig(
     sample_size=128,
 )
 # Small random-weight architectures for demos and smoke tests (`sdx.presets` pairs them with tiny CLIPs
-# of width 32, and 32 + 64 for the SDXL-like one): 32/64 channels, 1.4M / 2M parameters.
+# of width 32, and 32 + 64 for the SDXL-like one): 32/64 channels, 1.1M / 2.0M parameters.
 TINY = UNetConfig(
     block_out_channels=(32, 64),
     down_block_types=(CROSS_DOWN, PLAIN_DOWN),
@@ -526,7 +557,8 @@ def _transformers(cp, c: UNetConfig, channels: int, level: int, counts, *, only_
 
 
 class DownBlock2D(nnx.Module):
-    """diffusers' DownBlock2D, or CrossAttnDownBlock2D when `cross` (a Transformer2DModel after each resnet).
+    """diffusers' DownBlock2D, or its CrossAttnDownBlock2D (a Transformer2DModel after each resnet) when
+    `down_block_types` says so for this level.
 
     Returns the output and the skip connections it leaves for the up path (one per resnet, plus the
     downsampled output).
@@ -545,7 +577,9 @@ class DownBlock2D(nnx.Module):
             if c.down_block_types[level] == CROSS_DOWN else None
         )
         last = level == c.levels - 1
-        self.downsamplers = None if last else nnx.List([Downsample2D(cp, cout, padding=c.downsample_padding, rngs=rngs)])
+        self.downsamplers = (
+            None if last else nnx.List([Downsample2D(cp, cout, padding=c.downsample_padding, rngs=rngs)])
+        )
 
     def __call__(self, x, temb, context):
         skips = []
@@ -592,7 +626,8 @@ def _nearest_resize(x, size: tuple[int, int]):
 
 
 class UpBlock2D(nnx.Module):
-    """diffusers' UpBlock2D, or CrossAttnUpBlock2D when `cross`: each resnet eats one skip connection."""
+    """diffusers' UpBlock2D, or its CrossAttnUpBlock2D when `up_block_types` says so; each resnet eats
+    one skip connection (the last one left by the down path), concatenated after its input's channels."""
 
     def __init__(self, cp: Compute, c: UNetConfig, i: int, *, rngs: nnx.Rngs):
         rev = c.block_out_channels[::-1]
@@ -658,17 +693,10 @@ class UNet2DConditionModel(nnx.Module):
         self.conv_norm_out = GroupNorm(cp, boc[0], c.norm_num_groups, c.norm_eps, rngs=rngs)
         self.conv_out = conv(cp, boc[0], c.out_channels, c.conv_out_kernel, rngs=rngs)
 
-    def _embed(self, timesteps, batch: int, added_cond) -> jax.Array:
+    def _check_added_cond(self, batch: int, added_cond) -> None:
         c = self.config
-        t = jnp.asarray(timesteps).reshape(-1)
-        if t.shape[0] not in (1, batch):
-            raise SdxError(f"unet: {t.shape[0]} timesteps for a batch of {batch} (give one, or one per sample)")
-        t = jnp.broadcast_to(t, (batch,))
-        emb = self.time_embedding(
-            timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
-        )
         if self.add_embedding is None:
-            return emb
+            return
         if not added_cond or "text_embeds" not in added_cond or "time_ids" not in added_cond:
             raise SdxError(
                 "unet: this model (addition_embed_type 'text_time', SDXL) needs added_cond="
@@ -682,6 +710,21 @@ class UNet2DConditionModel(nnx.Module):
                 f"{got} conditioning features; this model takes {c.projection_class_embeddings_input_dim} "
                 f"for a batch of {batch} (base SDXL: 6 time ids, refiner: 5)"
             )
+
+    def _embed(self, timesteps, batch: int, added_cond) -> jax.Array:
+        """The time embedding (B, time_embed_dim), plus SDXL's pooled-text-and-size embedding."""
+        c = self.config
+        t = jnp.asarray(timesteps).reshape(-1)
+        if t.shape[0] not in (1, batch):
+            raise SdxError(f"unet: {t.shape[0]} timesteps for a batch of {batch} (give one, or one per sample)")
+        self._check_added_cond(batch, added_cond)
+        t = jnp.broadcast_to(t, (batch,))
+        emb = self.time_embedding(
+            timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
+        )
+        if self.add_embedding is None:
+            return emb
+        text, time_ids = added_cond["text_embeds"], added_cond["time_ids"]
         time_emb = timestep_embedding(
             time_ids.reshape(-1), c.addition_time_embed_dim, flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift
         ).reshape(batch, -1)  # (B, N * addition_time_embed_dim)
@@ -707,11 +750,17 @@ class UNet2DConditionModel(nnx.Module):
         if sample.ndim != 4 or sample.shape[-1] != c.in_channels:
             raise SdxError(f"unet: sample must be (B, H, W, {c.in_channels}) NHWC, got {tuple(sample.shape)}")
         b, hh, ww = sample.shape[:3]
+        ctx = encoder_hidden_states
+        widths = sorted({c.cross_attention_dim[i] for i in c.attention_levels})  # what the context must be
+        if ctx.ndim != 3 or ctx.shape[0] != b or any(w != ctx.shape[-1] for w in widths):
+            raise SdxError(
+                f"unet: encoder_hidden_states must be (B={b}, S, {'/'.join(map(str, widths)) or 'any'}), "
+                f"got {tuple(ctx.shape)}"
+            )
         x = sample.astype(self.dtype)
         if c.center_input_sample:
             x = 2 * x - 1.0
         temb = self._embed(timesteps, b, added_cond)
-        ctx = encoder_hidden_states
         x = self.conv_in(x)
 
         skips: tuple = (x,)

@@ -131,6 +131,19 @@ class VAEConfig:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in fields})
 
+    def to_diffusers_config(self) -> dict[str, Any]:
+        """A complete diffusers `vae/config.json` dict (`AutoencoderKL(**d)` accepts it without `_` keys);
+        `from_diffusers_config` reads it back to an equal config."""
+        levels = len(self.block_out_channels)
+        d = {
+            **_DIFFUSERS_DEFAULTS,
+            **self.to_dict(),
+            "down_block_types": ["DownEncoderBlock2D"] * levels,
+            "up_block_types": ["UpDecoderBlock2D"] * levels,
+        }
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return {"_class_name": "AutoencoderKL", **d}
+
     @classmethod
     def preset(cls, name: str) -> VAEConfig:
         if name not in PRESETS:

@@ -89,7 +89,7 @@ def cli_error(capsys, *argv) -> str:
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["--height", "62", "--width", "64"], "multiples of"),
+        (["--height", "63", "--width", "64"], "multiples of"),
         (["--steps", "0"], "positive integer"),
         (["--scheduler", "warp"], "invalid choice"),
         (["--image", "/nonexistent/input.png"], "cannot read the image"),

@@ -166,16 +166,22 @@ def test_remat_gives_same_output_and_gradient():
 
 
 def test_added_cond_is_required_and_checked():
-    model = U.UNet2DConditionModel(U.TINY_XL, rngs=nnx.Rngs(0))
+    model = W.abstract(lambda r: U.UNet2DConditionModel(U.TINY_XL, rngs=r))
     x, t, ctx, added = _inputs(U.TINY_XL, (8, 8))
     x = x.transpose(0, 2, 3, 1)
+    shapes = lambda *args: nnx.eval_shape(lambda m: m(*args), model)  # errors come at trace time
+    assert shapes(x, t, ctx, added).shape == x.shape
     with pytest.raises(SdxError, match="added_cond"):
-        model(x, t, ctx)
+        shapes(x, t, ctx)
     refiner_ids = dict(added, time_ids=added["time_ids"][:, :5])  # 5 refiner ids for a base-style model
     with pytest.raises(SdxError, match="time_ids"):
-        model(x, t, ctx, refiner_ids)
+        shapes(x, t, ctx, refiner_ids)
     with pytest.raises(SdxError, match="timesteps"):
-        model(x, np.ones(3, np.float32), ctx, added)
+        shapes(x, np.ones(3, np.float32), ctx, added)
+    with pytest.raises(SdxError, match="NHWC"):
+        shapes(x.transpose(0, 3, 1, 2), t, ctx, added)
+    with pytest.raises(SdxError, match="encoder_hidden_states"):
+        shapes(x, t, ctx[..., :32], added)  # one tiny CLIP's width where the model wants both
 
 
 # ---- config ----------------------------------------------------------------------------------------

@@ -1,0 +1,182 @@
+"""Sampling speed and memory: sdx against diffusers (PyTorch) on the same weights, in one run.
+
+    python benchmarks/sample.py --preset sd15 --size 512 --steps 20 --batch 1 [--dtype bfloat16]
+
+A random-weight diffusers folder is built for the preset (no download: the architectures come from
+`sdx.presets`), converted to the sdx layout, and each framework then runs in a subprocess of its own
+(so peak memory is its own): one warm-up generation (for sdx: the ahead-of-time compile), then
+`--repeats` timed generations. Printed: compile seconds, seconds per image, images per second, peak
+memory, and sdx's ratio to diffusers. diffusers runs when torch and diffusers are installed.
+Peak memory is the accelerator's peak allocation on GPU/TPU and the process's peak RSS on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def build_diffusers_folder(preset_name: str, folder: Path) -> Path:
+    """Random-weight diffusers pipeline of `preset_name`, saved with save_pretrained (once)."""
+    if (folder / "model_index.json").exists():
+        return folder
+    import diffusers
+    import torch
+    import transformers
+
+    from sdx import presets
+    from sdx.tokenizer import write_builtin_folder
+
+    torch.manual_seed(0)
+    preset = presets.get(preset_name)
+    public = lambda cfg: {k: v for k, v in cfg.items() if not k.startswith("_")}
+    parts = {
+        "unet": diffusers.UNet2DConditionModel(**public(preset.configs["unet"])),
+        "vae": diffusers.AutoencoderKL(**public(preset.configs["vae"])),
+        "scheduler": getattr(diffusers, preset.configs["scheduler"]["_class_name"]).from_config(preset.configs["scheduler"]),
+    }
+    for te, tok in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        if te in preset.configs:
+            cfg = {k: v for k, v in preset.configs[te].items() if k not in ("architectures", "model_type")}
+            parts[te] = getattr(transformers, preset.configs[te]["architectures"][0])(transformers.CLIPTextConfig(**cfg))
+            tok_dir = write_builtin_folder(folder / "_tok" / tok, pad_token=preset.tokenizers[tok]["pad_token"])
+            parts[tok] = transformers.CLIPTokenizer.from_pretrained(tok_dir)
+        else:
+            parts[te] = parts[tok] = None
+    cls = getattr(diffusers, preset.pipeline_class)
+    extra = {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False, "image_encoder": None}
+    import inspect
+
+    wanted = set(inspect.signature(cls.__init__).parameters)
+    kwargs = {k: v for k, v in {**parts, **extra, **preset.extra}.items() if k in wanted}
+    cls(**kwargs).save_pretrained(folder)
+    return folder
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_sdx(args) -> dict:
+    import jax
+    import numpy as np
+
+    from convert.cli import ensure_sdx_folder
+    from pipelines.pipeline import Pipeline
+    from pipelines.request import Request
+
+    folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
+    pipe = Pipeline.load(folder, dtype=args.dtype, attention=args.attention)
+    noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
+    request = Request(prompts=["a photograph of an astronaut riding a horse"] * args.batch, height=args.size, width=args.size,
+                      steps=args.steps, latents=noise.astype(np.float32), guidance_scale=7.0)
+    t0 = time.perf_counter()
+    pipe(request)
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        pipe(request)
+        times.append(time.perf_counter() - t0)
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    return {
+        "framework": "sdx", "device": f"{device.platform}:{device.device_kind}", "compile_s": first - min(times),
+        "seconds": min(times), "peak_bytes": stats.get("peak_bytes_in_use") or peak_rss_bytes(),
+        "memory_kind": "device peak" if stats else "process peak RSS",
+    }
+
+
+def run_diffusers(args) -> dict:
+    import diffusers
+    import numpy as np
+    import torch
+
+    cuda = torch.cuda.is_available()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    pipe = diffusers.DiffusionPipeline.from_pretrained(args.folder, torch_dtype=dtype).to("cuda" if cuda else "cpu")
+    pipe.set_progress_bar_config(disable=True)
+    f = pipe.vae_scale_factor
+    noise = np.random.default_rng(0).standard_normal((args.batch, pipe.vae.config.latent_channels, args.size // f, args.size // f))
+    latents = torch.tensor(noise, dtype=dtype, device=pipe.device)
+    call = lambda: pipe(["a photograph of an astronaut riding a horse"] * args.batch, height=args.size, width=args.size,
+                        num_inference_steps=args.steps, latents=latents, guidance_scale=7.0, output_type="np")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        call()
+        sync()
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            call()
+            sync()
+            times.append(time.perf_counter() - t0)
+    return {
+        "framework": "diffusers", "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_s": first - min(times),
+        "seconds": min(times), "peak_bytes": torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes(),
+        "memory_kind": "device peak" if cuda else "process peak RSS",
+    }
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="sd15", help="an sdx preset (sd15, sd21, sdxl_base, tiny, tiny_xl, ...)")
+    p.add_argument("--size", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--attention", default="xla", help="sdx attention backend (xla, cudnn, chunked)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "sdx-bench"), help="where models are built")
+    p.add_argument("--no-reference", action="store_true", help="skip diffusers")
+    p.add_argument("--worker", choices=("sdx", "diffusers"), help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.worker:
+        print(json.dumps({"sdx": run_sdx, "diffusers": run_diffusers}[args.worker](args)))
+        return 0
+    folder = build_diffusers_folder(args.preset, Path(args.work) / f"diffusers-{args.preset}")
+    frameworks = ["sdx"] + ([] if args.no_reference else ["diffusers"])
+    results = []
+    for fw in frameworks:
+        cmd = [sys.executable, __file__, "--worker", fw, "--folder", str(folder), *(argv or sys.argv[1:])]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode:
+            print(f"{fw} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            return 1
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
+          f"{args.dtype}")
+    print("| framework | device | compile s | s/image | images/s | peak memory (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        per_image = r["seconds"] / args.batch
+        print(f"| {r['framework']} | {r['device']} | {r['compile_s']:.1f} | {per_image:.3f} | {1 / per_image:.3f} | "
+              f"{r['peak_bytes'] / 2**30:.2f} ({r['memory_kind']}) |")
+    if len(results) == 2:
+        s, d = results
+        print(f"sdx / diffusers: time {s['seconds'] / d['seconds']:.2f}x, peak memory {s['peak_bytes'] / d['peak_bytes']:.2f}x "
+              f"(below 1 means sdx is faster / smaller)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
