@@ -10,9 +10,10 @@ that stops the fetch is one SdxError naming the repo id.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx2
@@ -62,7 +63,7 @@ def fetch(
     log = log or (lambda _msg: None)
     where = f"hub repo {repo_id!r}" + (f" (revision {revision})" if revision else "")
     kw = dict(revision=revision, cache_dir=cache_dir)
-    try:
+    with hub_errors(where, missing=f"has no {MODEL_INDEX}, so it is not a diffusers-layout repo"):
         if not _offline():
             try:
                 files = list_repo_files(repo_id, revision=revision, token=token)
@@ -77,6 +78,14 @@ def fetch(
         # Offline: the cached snapshot, as it is; the folder reader reports what it lacks.
         index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, local_files_only=True, **kw))
         return index_path.parent
+
+
+@contextlib.contextmanager
+def hub_errors(where: str, *, missing: str) -> Iterator[None]:
+    """Turn what huggingface_hub raises into one SdxError naming `where` (the repo id); `missing`: what
+    to say when a file the caller asked for is not in the repo."""
+    try:
+        yield
     except (RepositoryNotFoundError, GatedRepoError) as e:
         raise SdxError(f"{where}: not found or not accessible (private or gated: log in with `hf auth login`) "
                        f"[{_one_line(e)}]") from None
@@ -86,7 +95,7 @@ def fetch(
         how = "HF_HUB_OFFLINE is set" if _offline() else "the hub could not be reached"
         raise SdxError(f"{where}: not in the local cache and {how}") from None
     except EntryNotFoundError:
-        raise SdxError(f"{where}: has no {MODEL_INDEX}, so it is not a diffusers-layout repo") from None
+        raise SdxError(f"{where}: {missing}") from None
     except HFValidationError as e:
         raise SdxError(f"{where}: not a valid repo id ({_one_line(e)})") from None
     except (HfHubHTTPError, *_UNREACHABLE) as e:
@@ -98,3 +107,50 @@ def _read_json(path: Path):
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SdxError(f"{path}: cannot read JSON ({e})") from None
+
+
+# --------------------------------------------------------------------------------------------------
+# Single files and model folders other than pipelines (--lora, --vae)
+
+_FILE_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)/(?P<file>[\w.-]+(/[\w.-]+)*)$")
+
+
+def split_hub_path(text: str) -> tuple[str, str | None] | None:
+    """'org/name' -> ('org/name', None); 'org/name/sub/file.safetensors' -> ('org/name', 'sub/file.safetensors');
+    anything else (a local-looking path, `..`) -> None."""
+    if ".." in text:
+        return None
+    if looks_like_repo_id(text):
+        return text, None
+    m = _FILE_ID.match(text)
+    return (m["repo"], m["file"]) if m else None
+
+
+def fetch_files(
+    repo_id: str,
+    choose: Callable[[list[str]], list[str]],
+    *,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    token: str | bool | None = None,
+    log: Callable[[str], None] | None = None,
+) -> Path:
+    """The local snapshot folder of `repo_id` with the files `choose(listing)` picks from the repo's file
+    list (repo-relative paths); `choose` raises an SdxError when the repo lacks what it wants. Offline
+    (or with the hub unreachable), `choose` picks from the cached snapshot instead."""
+    log = log or (lambda _msg: None)
+    where = f"hub repo {repo_id!r}" + (f" (revision {revision})" if revision else "")
+    kw = dict(revision=revision, cache_dir=cache_dir)
+    with hub_errors(where, missing="lacks a file it should have"):
+        if not _offline():
+            try:
+                files = list_repo_files(repo_id, revision=revision, token=token)
+            except _UNREACHABLE as e:
+                log(f"{where}: hub unreachable ({_one_line(e)}); using the local cache")
+            else:
+                wanted = choose(sorted(files))
+                log(f"{where}: fetching {', '.join(wanted)}")
+                return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
+        folder = Path(snapshot_download(repo_id, local_files_only=True, **kw))
+        choose(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
+        return folder

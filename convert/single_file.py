@@ -401,8 +401,31 @@ def _canonical_text_keys(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndar
             for k, v in tensors.items()}
 
 
-def single_file_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
-    """The original-layout tensors of a Checkpoint (a full pipeline, or a VAE alone)."""
+class _Original:
+    """The original-layout tensor of one table entry, computed only when it is read (`np.asarray`), so that
+    a writer streaming tensors holds one at a time. `shape` and `dtype` are known without computing it."""
+
+    def __init__(self, entry: K.Entry, arrays: tuple):
+        self.entry, self.arrays = entry, arrays
+        self.dtype = np.dtype(arrays[0].dtype)
+        shape = tuple(arrays[0].shape)
+        if entry.kind == K.CONV1X1 and len(shape) == 2:
+            shape = (*shape, 1, 1)
+        elif entry.kind == K.TRANSPOSE:
+            shape = shape[::-1]
+        elif entry.kind == K.QKV:
+            shape = (sum(a.shape[0] for a in arrays), *shape[1:])
+        self.shape = shape
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.ascontiguousarray(K.to_original(self.entry, tuple(np.asarray(x) for x in self.arrays)))
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def single_file_tensors(checkpoint: Checkpoint, *, lazy: bool = False) -> dict[str, np.ndarray]:
+    """The original-layout tensors of a Checkpoint (a full pipeline, or a VAE alone).
+
+    lazy: array-likes computed when read (for streaming writers) instead of arrays."""
     components = [c for c in ("unet", "vae", *_TEXT_ENCODERS) if c in checkpoint.tensors]
     vae_only = components == ["vae"]
     layout = "sd1" if vae_only else checkpoint_layout(checkpoint)
@@ -425,9 +448,9 @@ def single_file_tensors(checkpoint: Checkpoint) -> dict[str, np.ndarray]:
         raise SdxError(f"{len(missing)} tensor(s) the configs call for are missing: {_list(missing)}")
     out = {}
     for e in entries:
-        array = K.to_original(e, tuple(np.asarray(source[e.component][k]) for k in e.diffusers))
+        array = _Original(e, tuple(source[e.component][k] for k in e.diffusers))
         key = e.original[len(K.VAE_PREFIX):] if vae_only else e.original
-        out[key] = np.ascontiguousarray(array)
+        out[key] = array if lazy else np.asarray(array)
     return out
 
 
@@ -438,7 +461,7 @@ def write_single_file(checkpoint: Checkpoint, path) -> None:
     the detected preset or a config folder. A VAE-only Checkpoint is written as a standalone VAE
     file (keys without the `first_stage_model.` prefix).
     """
-    tensors = single_file_tensors(checkpoint)
+    tensors = single_file_tensors(checkpoint, lazy=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     weights.write_safetensors(path, tensors, metadata={"format": "pt"})

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from sdx.attention import dot_product_attention
+from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import F32, Compute, LayerNorm, linear
 
@@ -38,7 +39,7 @@ ARCHITECTURES = {"CLIPTextModel": False, "CLIPTextModelWithProjection": True}
 
 
 @dataclasses.dataclass(frozen=True)
-class TextEncoderConfig:
+class TextEncoderConfig(JsonConfig):
     """Architecture of a CLIP text encoder; field names are transformers' `CLIPTextConfig` names.
 
     `with_projection`: a `text_projection` (Linear, no bias, hidden_size -> projection_dim) follows the
@@ -47,6 +48,8 @@ class TextEncoderConfig:
     (the EOS id 49407 is the largest in CLIP's vocabulary); anything else means "the first position
     holding eos_token_id". `bos_token_id`/`pad_token_id` are kept for the round trip only.
     """
+
+    label: ClassVar[str] = "text encoder config"
 
     vocab_size: int = 49408
     hidden_size: int = 768
@@ -117,18 +120,6 @@ class TextEncoderConfig:
         d = {k: v for k, v in self.to_dict().items() if k != "with_projection"}
         arch = "CLIPTextModelWithProjection" if self.with_projection else "CLIPTextModel"
         return {"architectures": [arch], "model_type": "clip_text_model", **d}
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TextEncoderConfig:
-        """Inverse of `to_dict` (our own JSON); an unknown field is an error, not ignored."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise SdxError(f"text encoder config: unknown field(s) {', '.join(unknown)}")
-        return cls(**d)
 
 
 # transformers.CLIPTextConfig's __init__ defaults (transformers 5.23), used for absent fields.

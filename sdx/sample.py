@@ -3,8 +3,9 @@
     python -m sdx.sample --model stabilityai/stable-diffusion-xl-base-1.0 --prompt "a lighthouse" \
         --steps 30 --dtype bfloat16 --output out.png
 
---model takes an sdx folder, a diffusers folder, a hub id (converted once into the cache) or a demo
-model name (`tiny`, `tiny_xl`: random weights, no download). The pipeline type comes from the model;
+--model takes an sdx folder, a diffusers folder, a single-file checkpoint, a hub id (converted once
+into the cache; --lora, --vae and --config are applied in that conversion) or a demo model name
+(`tiny`, `tiny_xl`: random weights, no download). The pipeline type comes from the model;
 --image makes it img2img (or InstructPix2Pix for such a model). Bad input ends with one `error:` line
 and exit status 2.
 """
@@ -43,7 +44,17 @@ def parser() -> argparse.ArgumentParser:
     from sdx.schedulers import SCHEDULERS
 
     p = _Parser(prog="python -m sdx.sample", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="sdx folder, diffusers folder, hub id, or demo model (tiny, tiny_xl)")
+    p.add_argument("--model", default="tiny",
+                   help="sdx folder, diffusers folder, single-file checkpoint, hub id, or demo model (tiny, tiny_xl)")
+    p.add_argument("--config", metavar="FOLDER",
+                   help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
+                        "describe it, instead of the built-in preset its keys point to")
+    p.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
+                   help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into the model "
+                        "at SCALE (default 1.0); repeatable")
+    p.add_argument("--vae", metavar="MODEL",
+                   help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "
+                        "instead of the model's; also for --refiner")
     p.add_argument("--prompt", nargs="+", required=True, help="one or more prompts")
     p.add_argument("--prompt-2", nargs="+", help="SDXL: prompts for the second text encoder (default: --prompt)")
     p.add_argument("--negative-prompt", nargs="+", help="one, or one per prompt")
@@ -82,16 +93,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_model(spec: str, *, dtype: str, cache: Path, log) -> Path:
-    """An sdx folder for `spec` (demo name, sdx folder, diffusers folder or hub id)."""
+def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None) -> Path:
+    """An sdx folder for `spec` (demo name, sdx folder, diffusers folder, single file or hub id), with
+    `options` (a `convert.cli.ModelOptions`: LoRAs, VAE, config folder) applied in a cached conversion."""
+    from convert.cli import ModelOptions, ensure_sdx_folder
     from pipelines.demo import DEMO_MODELS, demo_folder
 
+    options = options or ModelOptions()
     if spec in DEMO_MODELS and not Path(spec).exists():
         log(f"{spec}: the embedded demo model (random weights, no download)")
-        return demo_folder(spec, cache / "models")
-    from convert.cli import ensure_sdx_folder
-
-    return ensure_sdx_folder(spec, dtype=dtype, cache_dir=cache / "models", log=log)
+        folder = demo_folder(spec, cache / "models")
+        if options.empty:
+            return folder
+        spec = str(folder)
+    return ensure_sdx_folder(spec, dtype=dtype, cache_dir=cache / "models", options=options, log=log)
 
 
 def load_image(path: str, size: tuple[int, int] | None, multiple: int) -> np.ndarray:
@@ -170,13 +185,17 @@ def run(args: argparse.Namespace) -> list[Path]:
         enable_compilation_cache(cache / "jax")
     meshlib.initialize()
     mesh = meshlib.make_mesh(args.fsdp)
-    folder = resolve_model(args.model, dtype=args.dtype, cache=cache, log=log)
+    from convert.cli import ModelOptions
+
+    options = ModelOptions.from_args(config=args.config, lora=args.lora, vae=args.vae)
+    folder = resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options)
     pipe = Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.model)
     refiner = None
     if args.refiner:
         if not pipe.family.xl or pipe.family.pix2pix:
             raise SdxError("--refiner follows an SDXL base model; this model is not one")
-        ref_folder = resolve_model(args.refiner, dtype=args.dtype, cache=cache, log=log)
+        ref_folder = resolve_model(args.refiner, dtype=args.dtype, cache=cache, log=log,
+                                   options=ModelOptions(vae=args.vae))
         refiner = Pipeline.load(ref_folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.refiner)
 
     size = (args.height, args.width) if args.height and args.width else None
@@ -231,7 +250,7 @@ def run(args: argparse.Namespace) -> list[Path]:
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
             "size": f"{width}x{height}", "model": args.model, "dtype": args.dtype,
         }
-        for key in ("prompt_2", "negative_prompt_2", "image", "refiner", "latents", "clip_skip"):
+        for key in ("prompt_2", "negative_prompt_2", "image", "refiner", "latents", "clip_skip", "lora", "vae"):
             if getattr(args, key, None):
                 params[key] = getattr(args, key)
         if args.image:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import (
     F32,
@@ -153,7 +154,7 @@ def _layer_counts(name: str, value) -> LayerCounts:
 
 
 @dataclasses.dataclass(frozen=True)
-class UNetConfig:
+class UNetConfig(JsonConfig):
     """What a UNet is. Per-level fields have one entry per entry of `block_out_channels`.
 
     num_attention_heads: heads per level (diffusers' `attention_head_dim`); head size = channels // heads.
@@ -166,6 +167,8 @@ class UNetConfig:
         float32, which is what diffusers' flag asks for.
     sample_size: the latent resolution the model was trained at (default image size = 8 x this).
     """
+
+    label: ClassVar[str] = "unet config"
 
     in_channels: int = 4
     out_channels: int = 4
@@ -421,23 +424,6 @@ class UNetConfig:
         return {"_class_name": "UNet2DConditionModel", **d}
 
     # ---- sdx's own JSON -----------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: field name -> value, tuples as lists."""
-        def plain(v):
-            return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
-        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> UNetConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise SdxError(f"unet config: unknown field(s) {', '.join(unknown)} in the sdx config")
-
-        def tup(v):
-            return tuple(tup(x) for x in v) if isinstance(v, (list, tuple)) else v
-        return cls(**{k: tup(v) for k, v in d.items()})
 
     @classmethod
     def preset(cls, name: str) -> UNetConfig:

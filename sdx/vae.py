@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import F32, Attention, Compute, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv
 
@@ -31,7 +32,7 @@ _EPS = 1e-6  # every GroupNorm of the VAE (diffusers hard-codes resnet_eps=1e-6 
 
 
 @dataclasses.dataclass(frozen=True)
-class VAEConfig:
+class VAEConfig(JsonConfig):
     """Architecture of an AutoencoderKL plus the latent scaling the diffusion models expect.
 
     The field names are diffusers' config.json keys. `scaling_factor`/`shift_factor` do not enter the
@@ -39,6 +40,8 @@ class VAEConfig:
     (the SDXL VAE), so a pipeline running in float16 must run this VAE in float32. `sample_size` is the
     image size the VAE was trained at, informational only.
     """
+
+    label: ClassVar[str] = "VAE config"
 
     in_channels: int = 3
     out_channels: int = 3
@@ -90,18 +93,6 @@ class VAEConfig:
         return z
 
     # -- serialisation -------------------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (tuples as lists); `from_dict` reads it back."""
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> VAEConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise SdxError(f"VAE config: unknown field(s) {', '.join(unknown)}")
-        return cls(**d)
 
     @classmethod
     def from_diffusers_config(cls, d: Mapping[str, Any]) -> VAEConfig:

@@ -43,10 +43,10 @@ def _random_parts(preset: str, seed: int = 0) -> dict[str, model_folder.ModelPar
 
 
 def _write(out: Path, preset: str = "tiny", **kw) -> Path:
-    from tests.tiny_models import write_clip_tokenizer
+    from sdx.tokenizer import write_builtin_folder
 
     p = presets.get(preset)
-    toks = {t: write_clip_tokenizer(out.parent / f"{out.name}-src-{t}") for t in p.tokenizers}
+    toks = {t: write_builtin_folder(out.parent / f"{out.name}-src-{t}") for t in p.tokenizers}
     return model_folder.write_model_folder(
         out, pipeline_class=p.pipeline_class, models=kw.pop("models", None) or _random_parts(preset),
         tokenizers=toks, scheduler=p.configs["scheduler"], extra=p.extra, **kw,

@@ -20,79 +20,15 @@ Only tests import this module (torch, diffusers and transformers are test depend
 from __future__ import annotations
 
 import copy
-import functools
-import gzip
-import importlib.util
 import inspect
-import json
 from pathlib import Path
 
 import torch
 
 from sdx import presets
+from sdx.tokenizer import write_builtin_folder
 
 KINDS = ("sd15", "sd21", "sd21_v", "pix2pix", "sdxl", "sdxl_refiner", "sdxl_pix2pix")
-
-_REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-# --------------------------------------------------------------------------------------------------
-# CLIP BPE vocabulary
-
-
-def _bpe_source() -> Path:
-    """The CLIP BPE merges file: sdx's packaged copy, else open_clip's (found without importing it)."""
-    ours = _REPO_ROOT / "sdx" / "assets" / "bpe_simple_vocab_16e6.txt.gz"
-    if ours.is_file():
-        return ours
-    spec = importlib.util.find_spec("open_clip")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / "bpe_simple_vocab_16e6.txt.gz"
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError("no CLIP BPE vocabulary: neither sdx/assets nor open_clip has bpe_simple_vocab_16e6.txt.gz")
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2/CLIP's reversible byte -> printable character table."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = printable[:]
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
-
-
-@functools.cache
-def clip_vocab() -> tuple[dict[str, int], tuple[str, ...]]:
-    """(vocab token -> id, merges) of OpenAI's CLIP tokenizer, rebuilt from the BPE merges file."""
-    lines = gzip.open(_bpe_source()).read().decode("utf-8").split("\n")
-    merges = tuple(lines[1 : 49152 - 256 - 2 + 1])  # line 0 is a version header
-    tokens = list(_bytes_to_unicode().values())
-    tokens += [t + "</w>" for t in tokens]
-    tokens += ["".join(m.split()) for m in merges]
-    tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return {t: i for i, t in enumerate(tokens)}, merges
-
-
-def write_clip_tokenizer(folder: Path, pad_token: str = "<|endoftext|>") -> Path:
-    """A CLIP tokenizer folder laid out as the hub repos ship it (slow-tokenizer files)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab, merges = clip_vocab()
-    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
-    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
-    special = {"bos_token": "<|startoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>",
-               "pad_token": pad_token}
-    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
-    config = {**special, "model_max_length": 77, "do_lower_case": True, "errors": "replace",
-              "add_prefix_space": False, "tokenizer_class": "CLIPTokenizer"}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return folder
-
 
 # --------------------------------------------------------------------------------------------------
 # Configs per kind
@@ -172,7 +108,7 @@ def make_tiny_pipeline(kind: str, folder, *, seed: int = 0, tokenizer_files: str
         model = arch(transformers.CLIPTextConfig(**cfg))
         _perturb(model, generator)
         components[te] = model.eval()
-        tok_dir = write_clip_tokenizer(folder / tok, pad_token=pads[tok])
+        tok_dir = write_builtin_folder(folder / tok, pad_token=pads[tok])
         components[tok] = transformers.CLIPTokenizer.from_pretrained(tok_dir)
 
     pipe_cls = getattr(diffusers, pipeline_class)
@@ -189,7 +125,7 @@ def make_tiny_pipeline(kind: str, folder, *, seed: int = 0, tokenizer_files: str
         for tok in ("tokenizer", "tokenizer_2"):
             if components.get(tok) is not None:
                 (folder / tok / "tokenizer.json").unlink(missing_ok=True)
-                write_clip_tokenizer(folder / tok, pad_token=pads[tok])
+                write_builtin_folder(folder / tok, pad_token=pads[tok])
     elif tokenizer_files != "transformers":
         raise ValueError(f"tokenizer_files={tokenizer_files!r}: use 'hub' or 'transformers'")
     return pipe
