@@ -250,6 +250,9 @@ def read_vae_source(path: Path, pipeline_vae_config: dict, *, variant: str | Non
     config = diffusers_folder._read_json(path / "config.json")
     if not isinstance(config, dict):
         raise SdxError(f"{path / 'config.json'}: not a JSON object")
+    cls = config.get("_class_name", "AutoencoderKL")
+    if cls != "AutoencoderKL":
+        raise SdxError(f"{where}: its config.json describes a {cls}, not an AutoencoderKL")
     names = sorted(p.name for p in path.iterdir() if p.is_file())
     choice = diffusers_folder.choose_weights(names, "diffusers", variant, where=str(path))
     return config, diffusers_folder.normalize_vae(diffusers_folder.read_weights(path, choice))
@@ -315,7 +318,10 @@ def apply_options(ckpt: Checkpoint, loras: Sequence[tuple[Path, float]], vae: Pa
     if vae is not None:
         swap_vae(ckpt, vae, variant=variant, log=log)
     for path, scale in loras:
-        merge_lora(ckpt, path, scale)
+        try:
+            merge_lora(ckpt, path, scale)
+        except SdxError as e:
+            raise SdxError(str(e) if str(path) in str(e) else f"--lora {path}: {e}") from None
         log(f"merged LoRA {path} at scale {scale:g}")
     return ckpt
 

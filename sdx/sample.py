@@ -50,7 +50,7 @@ def parser() -> argparse.ArgumentParser:
                    help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
                         "describe it, instead of the built-in preset its keys point to")
     p.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
-                   help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into the model "
+                   help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into --model "
                         "at SCALE (default 1.0); repeatable")
     p.add_argument("--vae", metavar="MODEL",
                    help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "

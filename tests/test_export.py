@@ -86,8 +86,8 @@ def test_diffusers_export_loads_in_from_pretrained_exactly(tiny, tmp_path, kind)
         theirs = type(pipe).from_pretrained(out)
         assert_same_pipeline_weights(pipe, theirs)
         assert type(theirs.scheduler) is type(pipe.scheduler)
-        public = lambda config: {k: v for k, v in config.items() if not k.startswith("_")}  # noqa: E731
-        assert public(theirs.scheduler.config) == public(pipe.scheduler.config)
+        public = [{k: v for k, v in p.scheduler.config.items() if not k.startswith("_")} for p in (theirs, pipe)]
+        assert public[0] == public[1]
         index = json.loads((out / "model_index.json").read_text())
         assert index["unet"] == ["diffusers", "UNet2DConditionModel"]
         assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
@@ -183,7 +183,7 @@ def test_single_file_cli_errors(tiny, tmp_path, capsys):
 # --vae
 
 
-def tiny_vae(pipe, folder: Path, seed: int, **changes) -> "diffusers.AutoencoderKL":
+def tiny_vae(pipe, folder: Path, seed: int, **changes):
     """A VAE shaped like `pipe`'s (unless `changes` say otherwise) with other weights, saved at `folder`."""
     config = {k: v for k, v in dict(pipe.vae.config).items() if not k.startswith("_")}
     torch.manual_seed(seed)
