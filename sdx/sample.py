@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FOLDER",
                    help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
                         "describe it, instead of the built-in preset its keys point to")
+    p.add_argument("--preset", metavar="NAME",
+                   help="single-file --model: read it as this preset, e.g. sd21 for an SD 2.x-base epsilon file")
     p.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
                    help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into --model "
                         "at SCALE (default 1.0); repeatable")
@@ -187,7 +189,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     mesh = meshlib.make_mesh(args.fsdp)
     from convert.cli import ModelOptions
 
-    options = ModelOptions.from_args(config=args.config, lora=args.lora, vae=args.vae)
+    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
     folder = resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options)
     pipe = Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.model)
     refiner = None

@@ -183,4 +183,5 @@ def test_sample_errors_are_one_line(lora_sd15, tmp_path, capsys):
     cut.write_bytes(lora_sd15.kohya_file.read_bytes()[:-100])
     assert str(cut) in _fails(capsys, tmp_path, "--model", folder, "--lora", str(cut))
     assert "--config applies to single-file" in _fails(capsys, tmp_path, "--model", folder, "--config", folder)
+    assert "--preset applies to single-file" in _fails(capsys, tmp_path, "--model", folder, "--preset", "sd21")
     assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
