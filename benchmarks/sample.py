@@ -5,7 +5,7 @@
 A random-weight diffusers folder is built for the preset (no download: the architectures come from
 `sdx.presets`), converted to the sdx layout, and each framework then runs in a subprocess of its own
 (so peak memory is its own): one warm-up generation (for sdx: the ahead-of-time compile), then
-`--repeats` timed generations. Printed: compile seconds, seconds per image, images per second, peak
+`--repeats` timed generations. Printed: the first call's extra seconds (sdx: the ahead-of-time compile), seconds per image, images per second, peak
 memory, and sdx's ratio to diffusers. diffusers runs when torch and diffusers are installed.
 Peak memory is the accelerator's peak allocation on GPU/TPU and the process's peak RSS on the CPU.
 """
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} CPUs; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
           f"{args.dtype}")
-    print("| framework | device | compile s | s/image | images/s | peak memory (GiB) |")
+    print("| framework | device | first call − steady (s) | s/image | images/s | peak memory (GiB) |")
     print("|---|---|---|---|---|---|")
     for r in results:
         per_image = r["seconds"] / args.batch

@@ -19,13 +19,11 @@ Both are atomic (a half-written output never takes OUT's place) and refuse an ex
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from convert import sdx_folder
 from convert.checkpoint import Checkpoint
@@ -52,36 +50,6 @@ PIPELINE_COMPONENTS: dict[str, tuple[str, ...]] = {
     "StableDiffusionXLImg2ImgPipeline": _XL_COMPONENTS,
     "StableDiffusionXLInstructPix2PixPipeline": _XL_COMPONENTS[:7],
 }
-
-
-class _Cast:
-    """An array-like cast to `dtype` only when written (keeps peak memory at one tensor)."""
-
-    def __init__(self, array, dtype: np.dtype):
-        self.array, self.dtype, self.shape = array, np.dtype(dtype), tuple(array.shape)
-
-    def __array__(self, dtype=None, copy=None):
-        a = np.asarray(self.array).astype(self.dtype, copy=False)
-        return a if dtype is None else a.astype(dtype, copy=False)
-
-
-def _cast(array, dtype: np.dtype):
-    if not weights.is_float(array.dtype) or np.dtype(array.dtype) == dtype:
-        return array
-    return _Cast(array, dtype)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    text = json.dumps(data, indent=2, sort_keys=True, default=_json_default) + "\n"
-    weights.atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def _json_default(value):
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    if isinstance(value, (tuple, set)):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def model_index(ckpt: Checkpoint, classes: Mapping[str, str]) -> dict[str, Any]:
@@ -142,9 +110,9 @@ def write_diffusers_folder(
     with model_folder.building_folder(out, overwrite=overwrite) as tmp:
         for name, part in parts.items():
             (tmp / name).mkdir()
-            _write_json(tmp / name / "config.json", _model_config(name, part))
+            weights.atomic_write_json(tmp / name / "config.json", _model_config(name, part), sort_keys=True)
             tensors = weights.to_torch_keys(part.arrays)
-            items = [(k, _cast(tensors[k], cast)) for k in sorted(tensors)]
+            items = [(k, weights.lazy_cast(tensors[k], cast)) for k in sorted(tensors)]
             file = WEIGHTS_NAME[LIBRARY[name]]
             try:
                 weights.write_safetensors(tmp / name / file, items, metadata={"format": "pt"})
@@ -157,8 +125,9 @@ def write_diffusers_folder(
             except OSError as e:
                 raise SdxError(f"cannot copy tokenizer {folder} to {Path(out) / name}: {e}") from None
         (tmp / model_folder.SCHEDULER).mkdir()
-        _write_json(tmp / model_folder.SCHEDULER / "scheduler_config.json", ckpt.configs[model_folder.SCHEDULER])
-        _write_json(tmp / "model_index.json", index)
+        scheduler = ckpt.configs[model_folder.SCHEDULER]
+        weights.atomic_write_json(tmp / model_folder.SCHEDULER / "scheduler_config.json", scheduler, sort_keys=True)
+        weights.atomic_write_json(tmp / "model_index.json", index, sort_keys=True)
     log(f"wrote {out} (diffusers layout, {ckpt.pipeline_class}, {dtype})")
     return Path(out)
 
@@ -190,7 +159,7 @@ def write_single_file_checkpoint(
     if ckpt.tensors.keys() != {"vae"}:
         sdx_folder.model_parts(ckpt)  # the same strict checks (shapes included) as every other writer
     tensors = single_file.single_file_tensors(ckpt, lazy=True)
-    items = [(k, _cast(v, cast)) for k, v in tensors.items()]
+    items = [(k, weights.lazy_cast(v, cast)) for k, v in tensors.items()]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         weights.write_safetensors(out, items, metadata={"format": "pt"})

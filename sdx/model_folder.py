@@ -433,7 +433,7 @@ def write_model_folder(
                 raise SdxError(f"{name}: class {part.cls!r} is not one sdx builds for it ({', '.join(kind.classes)})")
             weights.check_arrays(weights.param_shapes(kind.abstract(part.config)), part.arrays, where=name)
             file = f"{name}.safetensors"
-            items = [(k, _cast(part.arrays[k], cast)) for k in sorted(part.arrays)]
+            items = [(k, weights.lazy_cast(part.arrays[k], cast)) for k in sorted(part.arrays)]
             try:
                 weights.write_safetensors(
                     tmp / file, items,
@@ -457,35 +457,11 @@ def write_model_folder(
             "format": FORMAT, "format_version": FORMAT_VERSION, "pipeline_class": pipeline_class,
             "dtype": dtype, "components": comps, "extra": dict(extra or {}),
         }
-        text = json.dumps(spec, indent=2, sort_keys=False, default=_json_default) + "\n"
-        weights.atomic_write(tmp / SPEC_FILE, lambda f: f.write(text.encode()))
+        weights.atomic_write_json(tmp / SPEC_FILE, spec)
     log(f"wrote {out} ({pipeline_class}, {dtype})")
     return out
 
 
-def _json_default(value):
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    if isinstance(value, (tuple, set)):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-class _Cast:
-    """An array-like that casts `array` to `dtype` only when written (keeps peak memory at one tensor)."""
-
-    def __init__(self, array: np.ndarray, dtype: np.dtype):
-        self.array, self.dtype, self.shape = array, dtype, tuple(array.shape)
-
-    def __array__(self, dtype=None, copy=None):
-        a = np.asarray(self.array).astype(self.dtype, copy=False)
-        return a if dtype is None else a.astype(dtype, copy=False)
-
-
-def _cast(array: np.ndarray, dtype: np.dtype):
-    if not weights.is_float(array.dtype):
-        return array
-    return array if array.dtype == dtype else _Cast(array, dtype)
 
 
 def resave(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str, overwrite: bool = False, log=None) -> Path:

@@ -13,7 +13,6 @@ and exit status 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -173,6 +172,11 @@ def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _nth(values: list[str] | None, i: int) -> str | None:
+    """The i-th of per-prompt values given once or once per prompt."""
+    return None if not values else values[i if len(values) > 1 else 0]
+
+
 def run(args: argparse.Namespace) -> list[Path]:
     from pipelines.pipeline import Pipeline, refine, to_uint8
     from pipelines.request import Request
@@ -244,10 +248,10 @@ def run(args: argparse.Namespace) -> list[Path]:
     pixels = to_uint8(images)
     scheduler_name = args.scheduler or type(pipe.scheduler).__name__
     for i, path in enumerate(paths):
-        prompt_index = i // args.num_images
+        prompt_index = i // args.num_images  # images are grouped by prompt
         params = {
-            "prompt": args.prompt[prompt_index if len(args.prompt) > 1 else 0],
-            "negative_prompt": (args.negative_prompt or [None])[prompt_index if args.negative_prompt and len(args.negative_prompt) > 1 else 0],
+            "prompt": request.prompts[prompt_index],
+            "negative_prompt": _nth(args.negative_prompt, prompt_index),
             "seed": args.seed, "image_index": i, "steps": args.steps, "scheduler": scheduler_name,
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
             "size": f"{width}x{height}", "model": args.model, "dtype": args.dtype,
@@ -255,10 +259,10 @@ def run(args: argparse.Namespace) -> list[Path]:
         for key in ("prompt_2", "negative_prompt_2", "image", "refiner", "latents", "clip_skip", "lora", "vae"):
             if getattr(args, key, None):
                 params[key] = getattr(args, key)
-        if args.image:
-            params["strength" if not pipe.family.pix2pix else "image_guidance_scale"] = (
-                request.strength if not pipe.family.pix2pix else request.image_guidance_scale
-            )
+        if args.image and pipe.family.pix2pix:
+            params["image_guidance_scale"] = request.image_guidance_scale
+        elif args.image:
+            params["strength"] = request.strength
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
     return paths

@@ -21,6 +21,7 @@ import struct
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -419,3 +420,35 @@ def write_safetensors(
             f.write(memoryview(a.reshape(-1).view(np.uint8)))
 
     atomic_write(path, write)
+
+
+def atomic_write_json(path: str | os.PathLike, data: Any, *, sort_keys: bool = False) -> None:
+    """`data` as indented JSON at `path`, atomically (numpy scalars as numbers, tuples and sets as lists)."""
+    text = json.dumps(data, indent=2, sort_keys=sort_keys, default=_json_default) + "\n"
+    atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer, np.floating, np.bool_)):
+        return value.item()
+    if isinstance(value, (tuple, set)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+class _LazyCast:
+    """An array-like cast to `dtype` only when written (keeps peak memory at one tensor)."""
+
+    def __init__(self, array, dtype: np.dtype):
+        self.array, self.dtype, self.shape = array, np.dtype(dtype), tuple(array.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.array).astype(self.dtype, copy=False)
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+
+def lazy_cast(array, dtype: np.dtype):
+    """`array` as `dtype` for `write_safetensors`, converted when written; integer tensors stay as they are."""
+    if not is_float(array.dtype) or np.dtype(array.dtype) == np.dtype(dtype):
+        return array
+    return _LazyCast(array, dtype)
