@@ -313,10 +313,11 @@ class CLIPTextModel(nnx.Module):
         - SDXL, both encoders: c=None -> skip=1, final_layer_norm=False (the penultimate layer, raw);
           c>=1 -> skip=c+1, final_layer_norm=False. The pooled conditioning stays encoder 2's
           `text_embeds` whatever c is.
+        skip = number of layers reaches the embeddings' output (hidden_states[0]), as diffusers' indexing does.
         """
         n = len(out.hidden_states) - 1
-        if not 0 <= skip < n:
-            raise SdxError(f"clip skip {skip} is out of range for a {n}-layer text encoder (0..{n - 1})")
+        if not 0 <= skip <= n:
+            raise SdxError(f"clip skip {skip} is out of range for a {n}-layer text encoder (0..{n})")
         h = out.hidden_states[-(skip + 1)]
         return self.text_model.final_layer_norm(h) if final_layer_norm else h
 

@@ -147,8 +147,9 @@ def test_hidden_state_selection():
     np.testing.assert_array_equal(last, out.last_hidden_state)
     np.testing.assert_array_equal(penult, out.hidden_states[-2])
     np.testing.assert_array_equal(penult_ln, ref_ln)
+    np.testing.assert_array_equal(model.hidden_state(out, skip=2, final_layer_norm=False), out.hidden_states[0])
     with pytest.raises(SdxError, match="clip skip"):
-        model.hidden_state(out, skip=2, final_layer_norm=False)
+        model.hidden_state(out, skip=3, final_layer_norm=False)
 
 
 def test_bfloat16_runs_close_to_float32():

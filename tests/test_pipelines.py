@@ -104,16 +104,16 @@ def test_sd21_v_prediction_with_guidance_rescale_and_scheduler_override(tiny, tm
     assert_images_close(ours, to_uint8(ref))
 
 
-def test_sdxl_text_to_image_two_prompts_zero_negative(tiny, tmp_path):
+def test_sdxl_text_to_image_two_prompts_zero_negative_clip_skip(tiny, tmp_path):
     pipe, folder = tiny("sdxl")
     assert pipe.config.force_zeros_for_empty_prompt
     path, noise = noise_file(tmp_path, latent_shape(pipe, 2, 64, 64))
     ref = pipe("a lighthouse at dawn", prompt_2="oil painting", num_images_per_prompt=2, num_inference_steps=STEPS,
                guidance_scale=5.0, latents=noise, output_type="np", height=64, width=64,
-               original_size=(96, 80), target_size=(64, 64)).images
+               original_size=(96, 80), target_size=(64, 64), clip_skip=1).images
     ours = run_cli(tmp_path, folder, "--prompt", "a lighthouse at dawn", "--prompt-2", "oil painting", "--num-images", "2",
                    "--steps", str(STEPS), "--guidance-scale", "5", "--latents", str(path), "--height", "64", "--width", "64",
-                   "--original-size", "96x80", "--target-size", "64x64")
+                   "--original-size", "96x80", "--target-size", "64x64", "--clip-skip", "1")
     assert_images_close(ours, to_uint8(ref))
 
 
