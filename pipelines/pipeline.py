@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,16 +82,22 @@ class Pipeline:
             name=name or str(folder),
         )
 
-    def __call__(self, request: Request, progress: Callable[[int], None] | None = None) -> np.ndarray:
-        """Images (N, H, W, 3) float32 in [0, 1], or final latents (N, h, w, C) with output_latents."""
+    def __call__(self, request: Request, progress=None) -> np.ndarray:
+        """Images (N, H, W, 3) float32 in [0, 1], or final latents (N, h, w, C) with output_latents.
+
+        progress: a tqdm-like bar (`total`, `update(n)`); its total grows by this request's model calls.
+        """
         validate(request, self.family, self.factor, self.multiple)
         devices = self.sampler.mesh.devices.size
+        work = batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
+                       devices=devices)
+        if progress is not None:
+            progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
+            progress.refresh()
         outs = []
-        set_progress(progress)
+        set_progress((lambda _i: progress.update(1)) if progress is not None else None)
         try:
-            for plan, inputs, real in batches(
-                request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels, devices=devices
-            ):
+            for plan, inputs, real in work:
                 outs.append(np.asarray(jax.device_get(self.sampler(plan, inputs)))[:real])
         finally:
             set_progress(None)

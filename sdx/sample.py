@@ -232,13 +232,12 @@ def run(args: argparse.Namespace) -> list[Path]:
     if not args.quiet:
         from tqdm import tqdm
 
-        bar = tqdm(desc="denoising", unit="call", file=sys.stderr)
+        bar = tqdm(desc="denoising", unit="step", total=0, file=sys.stderr)
     t0 = time.perf_counter()
-    progress = (lambda i: bar.update(1)) if bar is not None else None
     if refiner is not None:
-        images = refine(pipe, refiner, request, args.high_noise_frac, progress)
+        images = refine(pipe, refiner, request, args.high_noise_frac, bar)
     else:
-        images = pipe(request, progress)
+        images = pipe(request, bar)
     elapsed = time.perf_counter() - t0
     if bar is not None:
         bar.close()
