@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from sdx.attention import dot_product_attention
+from sdx import presets
 from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import F32, Compute, LayerNorm, linear
@@ -115,6 +116,16 @@ class TextEncoderConfig(JsonConfig):
             pad_token_id=int(get("pad_token_id")),
         )
 
+    @classmethod
+    def preset(cls, name: str, component: str = "text_encoder") -> TextEncoderConfig:
+        """Text encoder `component` ("text_encoder" or "text_encoder_2") of pipeline preset `name` of
+        `sdx.presets`: ("sd15", "text_encoder") is CLIP ViT-L/14, ("sdxl_base", "text_encoder_2")
+        OpenCLIP bigG/14, ("sd21", "text_encoder") OpenCLIP ViT-H/14 (23 of its 24 layers, as SD 2.x uses)."""
+        configs = presets.get(name).configs
+        if component not in configs:
+            raise SdxError(f"preset {name!r} has no {component}")
+        return cls.from_diffusers_config(configs[component])
+
     def to_diffusers_config(self) -> dict[str, Any]:
         """A transformers `config.json` for this architecture (for writing the diffusers layout)."""
         d = {k: v for k, v in self.to_dict().items() if k != "with_projection"}
@@ -128,35 +139,6 @@ _TRANSFORMERS_DEFAULTS: dict[str, Any] = dict(
     num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
     pad_token_id=1, bos_token_id=49406, eos_token_id=49407,
 )
-
-# Presets: the text_encoder/config.json (text_encoder_2 for bigG) of the diffusers repos
-# runwayml/stable-diffusion-v1-5 and stabilityai/stable-diffusion-xl-base-1.0 (clip_l, identical in
-# both), stabilityai/stable-diffusion-xl-base-1.0 text_encoder_2 (openclip_bigg) and
-# stabilityai/stable-diffusion-2-1(-base) (openclip_h), read from public mirrors of those files.
-clip_l = TextEncoderConfig(
-    hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-    hidden_act="quick_gelu", projection_dim=768, with_projection=False,
-)
-openclip_bigg = TextEncoderConfig(
-    hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
-    hidden_act="gelu", projection_dim=1280, with_projection=True,
-)
-openclip_h = TextEncoderConfig(  # 23 layers: the 24th is unused by SD 2.x and absent from its repos
-    hidden_size=1024, intermediate_size=4096, num_hidden_layers=23, num_attention_heads=16,
-    hidden_act="gelu", projection_dim=512, with_projection=False,
-)
-# For tests and the demo model: CLIP's real vocabulary (the tokenizer works), a tiny transformer.
-tiny = TextEncoderConfig(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    hidden_act="quick_gelu", projection_dim=32, with_projection=False,
-)
-tiny_projected = dataclasses.replace(tiny, hidden_act="gelu", with_projection=True)
-
-PRESETS: dict[str, TextEncoderConfig] = {
-    "clip_l": clip_l, "openclip_bigg": openclip_bigg, "openclip_h": openclip_h,
-    "tiny": tiny, "tiny_projected": tiny_projected,
-}
-
 
 class CLIPTextOutput(NamedTuple):
     """What the encoder returns (a pytree, so it leaves `jax.jit` as is).

@@ -196,6 +196,8 @@ _SDXL_UNET = _unet(
     use_linear_projection=True,
 )
 
+# SGM's sd_xl_refiner.yaml: model_channels 384, channel_mult 1,2,4,4, num_head_channels 64 (hence 6/12/24/24
+# heads), attention at the middle two levels, transformer_depth 4, context 1280 (OpenCLIP-bigG alone).
 _SDXL_REFINER_UNET = {
     **_SDXL_UNET,
     "attention_head_dim": [6, 12, 24, 24],

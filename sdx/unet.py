@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sdx import presets
 from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import (
@@ -427,102 +428,8 @@ class UNetConfig(JsonConfig):
 
     @classmethod
     def preset(cls, name: str) -> UNetConfig:
-        if name not in PRESETS:
-            raise SdxError(f"unknown unet preset {name!r}; choose one of {', '.join(sorted(PRESETS))}")
-        return PRESETS[name]
-
-
-# --------------------------------------------------------------------------------------------------
-# Presets: the unet/config.json of the released checkpoints, normalised. The same architectures are
-# in `sdx.presets` as diffusers-style dicts (with the other components); a test keeps the two equal.
-# --------------------------------------------------------------------------------------------------
-
-# runwayml/stable-diffusion-v1-5 (and CompVis v1-1..v1-4): 8 heads everywhere, conv proj_in/proj_out.
-SD15 = UNetConfig(sample_size=64)
-# timbrooks/instruct-pix2pix: SD 1.5 with 8 input channels (noisy latent + image latent).
-PIX2PIX = dataclasses.replace(SD15, in_channels=8)
-# stabilityai/stable-diffusion-2-1-base: 64-wide heads, linear proj_in/proj_out, OpenCLIP-H context (1024).
-SD21 = dataclasses.replace(
-    SD15, num_attention_heads=(5, 10, 20, 20), cross_attention_dim=(1024,) * 4, use_linear_projection=True,
-)
-# stabilityai/stable-diffusion-2-1 (768-v): the same weights' shapes, trained at 96x96 latents, with
-# upcast_attention (fp16 overflow in the softmax; sdx's softmax is float32 anyway).
-SD21_V = dataclasses.replace(SD21, upcast_attention=True, sample_size=96)
-# stabilityai/stable-diffusion-xl-base-1.0: three levels, 1/2/10 transformer layers, 2048 context
-# (CLIP-L 768 + OpenCLIP-bigG 1280), added conditioning 1280 pooled + 6 time ids x 256 = 2816.
-SDXL_BASE = UNetConfig(
-    block_out_channels=(320, 640, 1280),
-    down_block_types=(PLAIN_DOWN, CROSS_DOWN, CROSS_DOWN),
-    up_block_types=(CROSS_UP, CROSS_UP, PLAIN_UP),
-    layers_per_block=(2, 2, 2),
-    transformer_layers_per_block=(1, 2, 10),
-    num_attention_heads=(5, 10, 20),
-    cross_attention_dim=(2048,) * 3,
-    only_cross_attention=(False,) * 3,
-    use_linear_projection=True,
-    addition_embed_type="text_time",
-    addition_time_embed_dim=256,
-    projection_class_embeddings_input_dim=2816,
-    sample_size=128,
-)
-# diffusers/sdxl-instructpix2pix-768: SDXL base with an 8-channel conv_in.
-SDXL_PIX2PIX = dataclasses.replace(SDXL_BASE, in_channels=8)
-# stabilityai/stable-diffusion-xl-refiner-1.0 (SGM sd_xl_refiner.yaml: model_channels 384, channel_mult
-# 1,2,4,4, num_head_channels 64, attention at levels 1-2, transformer_depth 4, context 1280 = bigG only,
-# adm 2560 = 1280 pooled + 5 time ids x 256).
-SDXL_REFINER = UNetConfig(
-    block_out_channels=(384, 768, 1536, 1536),
-    down_block_types=(PLAIN_DOWN, CROSS_DOWN, CROSS_DOWN, PLAIN_DOWN),
-    up_block_types=(PLAIN_UP, CROSS_UP, CROSS_UP, PLAIN_UP),
-    layers_per_block=(2, 2, 2, 2),
-    transformer_layers_per_block=(4, 4, 4, 4),
-    num_attention_heads=(6, 12, 24, 24),
-    cross_attention_dim=(1280,) * 4,
-    use_linear_projection=True,
-    addition_embed_type="text_time",
-    addition_time_embed_dim=256,
-    projection_class_embeddings_input_dim=2560,
-    sample_size=128,
-)
-# Small random-weight architectures for demos and smoke tests (`sdx.presets` pairs them with tiny CLIPs
-# of width 32, and 32 + 64 for the SDXL-like one): 32/64 channels, 1.1M / 2.0M parameters.
-TINY = UNetConfig(
-    block_out_channels=(32, 64),
-    down_block_types=(CROSS_DOWN, PLAIN_DOWN),
-    up_block_types=(PLAIN_UP, CROSS_UP),
-    layers_per_block=(2, 2),
-    transformer_layers_per_block=(1, 1),
-    num_attention_heads=(8, 8),
-    cross_attention_dim=(32, 32),
-    only_cross_attention=(False, False),
-    sample_size=32,
-)
-TINY_XL = dataclasses.replace(
-    SDXL_BASE,
-    block_out_channels=(32, 64),
-    down_block_types=(PLAIN_DOWN, CROSS_DOWN),
-    up_block_types=(CROSS_UP, PLAIN_UP),
-    layers_per_block=(2, 2),
-    transformer_layers_per_block=(1, 2),
-    num_attention_heads=(2, 4),
-    cross_attention_dim=(96, 96),
-    only_cross_attention=(False, False),
-    addition_time_embed_dim=8,
-    projection_class_embeddings_input_dim=64 + 6 * 8,  # pooled width of the second tiny CLIP + 6 ids x 8
-    sample_size=32,
-)
-
-PRESETS: dict[str, UNetConfig] = {
-    "sd15": SD15,
-    "sd21": SD21,
-    "sd21_v": SD21_V,
-    "sdxl_base": SDXL_BASE,
-    "sdxl_refiner": SDXL_REFINER,
-    "pix2pix": PIX2PIX,
-    "sdxl_pix2pix": SDXL_PIX2PIX,
-    "tiny": TINY,
-    "tiny_xl": TINY_XL,
-}
+        """The UNet of pipeline preset `name` of `sdx.presets` (sd15, sdxl_base, sdxl_refiner, tiny, ...)."""
+        return cls.from_diffusers_config(presets.get(name).configs["unet"])
 
 
 # --------------------------------------------------------------------------------------------------

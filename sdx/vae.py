@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from sdx import presets
 from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import F32, Attention, Compute, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv
@@ -137,9 +138,8 @@ class VAEConfig(JsonConfig):
 
     @classmethod
     def preset(cls, name: str) -> VAEConfig:
-        if name not in PRESETS:
-            raise SdxError(f"unknown VAE preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return PRESETS[name]
+        """The VAE of pipeline preset `name` of `sdx.presets` (sd15, sdxl_base, tiny, ...)."""
+        return cls.from_diffusers_config(presets.get(name).configs["vae"])
 
 
 # diffusers' AutoencoderKL.__init__ defaults (0.42), used for keys a config.json leaves out.
@@ -165,15 +165,6 @@ _DIFFUSERS_DEFAULTS: dict[str, Any] = {
 }
 # Bookkeeping keys diffusers writes that do not change the math.
 _IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
-
-# Sources: the vae/config.json of runwayml/stable-diffusion-v1-5 (SD 2.x's is the same up to
-# sample_size 768 and the default scaling_factor), stabilityai/sdxl-vae and the SDXL base/refiner
-# repos; `tiny` is the VAE of diffusers' own pipeline tests (hf-internal-testing shapes).
-PRESETS: dict[str, VAEConfig] = {
-    "sd": VAEConfig(scaling_factor=0.18215, force_upcast=True, sample_size=512),
-    "sdxl": VAEConfig(scaling_factor=0.13025, force_upcast=True, sample_size=1024),
-    "tiny": VAEConfig(block_out_channels=(32, 64), layers_per_block=1, norm_num_groups=32, sample_size=128),
-}
 
 
 # --------------------------------------------------------------------------------------------------

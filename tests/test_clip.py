@@ -155,7 +155,7 @@ def test_hidden_state_selection():
 def test_bfloat16_runs_close_to_float32():
     from sdx.layers import Compute
 
-    cfg = clip.tiny
+    cfg = clip.TextEncoderConfig.preset("tiny")
     f32 = clip.CLIPTextModel(cfg, rngs=nnx.Rngs(0))
     bf16 = clip.CLIPTextModel(cfg, Compute(dtype=jnp.bfloat16, param_dtype=jnp.float32), rngs=nnx.Rngs(0))
     ids = jnp.asarray(random_ids(2, pad_id=49407))
@@ -193,10 +193,15 @@ REAL_CONFIGS = {
 }
 
 
+# Where each encoder sits in the pipeline presets of sdx.presets.
+PRESET_OF = {"clip_l": ("sd15", "text_encoder"), "openclip_bigg": ("sdxl_base", "text_encoder_2"),
+             "openclip_h": ("sd21", "text_encoder")}
+
+
 @pytest.mark.parametrize("name", REAL_CONFIGS)
 def test_presets_match_real_configs(name):
     cfg = clip.TextEncoderConfig.from_diffusers_config(REAL_CONFIGS[name])
-    assert cfg == clip.PRESETS[name]
+    assert cfg == clip.TextEncoderConfig.preset(*PRESET_OF[name])
     assert clip.TextEncoderConfig.from_dict(cfg.to_dict()) == cfg
     assert clip.TextEncoderConfig.from_diffusers_config(cfg.to_diffusers_config()) == cfg
     # transformers reads our config.json back to the same architecture.
@@ -207,7 +212,7 @@ def test_presets_match_real_configs(name):
 
 
 def test_tiny_presets_build_with_clip_vocabulary():
-    for cfg in (clip.tiny, clip.tiny_projected):
+    for cfg in (clip.TextEncoderConfig.preset("tiny"), clip.TextEncoderConfig.preset("tiny_xl", "text_encoder_2")):
         shapes = weights.param_shapes(weights.abstract(lambda rngs, c=cfg: clip.CLIPTextModel(c, rngs=rngs)))
         assert shapes["text_model.embeddings.token_embedding.embedding"] == (49408, cfg.hidden_size)
         assert ("text_projection.kernel" in shapes) == cfg.with_projection
@@ -224,9 +229,9 @@ def test_config_errors_name_the_field():
     with pytest.raises(SdxError, match="num_attention_heads"):
         clip.TextEncoderConfig.from_diffusers_config(base | {"num_attention_heads": 7})
     with pytest.raises(SdxError, match="bogus"):
-        clip.TextEncoderConfig.from_dict(clip.clip_l.to_dict() | {"bogus": 1})
+        clip.TextEncoderConfig.from_dict(clip.TextEncoderConfig.preset("sd15").to_dict() | {"bogus": 1})
     # Missing fields take transformers' CLIPTextConfig defaults, as transformers would.
     d = clip.TextEncoderConfig.from_diffusers_config({"architectures": ["CLIPTextModel"]})
     hf = transformers.CLIPTextConfig()
     assert (d.hidden_size, d.num_attention_heads, d.eos_token_id) == (hf.hidden_size, hf.num_attention_heads, hf.eos_token_id)
-    assert dataclasses.replace(clip.clip_l) == clip.clip_l
+    assert dataclasses.replace(clip.TextEncoderConfig.preset("sd15")) == clip.TextEncoderConfig.preset("sd15")

@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sdx import unet as U
-from sdx import weights as W
+from sdx import presets, unet as U, weights as W
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -166,8 +165,8 @@ def test_remat_gives_same_output_and_gradient():
 
 
 def test_added_cond_is_required_and_checked():
-    model = W.abstract(lambda r: U.UNet2DConditionModel(U.TINY_XL, rngs=r))
-    x, t, ctx, added = _inputs(U.TINY_XL, (8, 8))
+    model = W.abstract(lambda r: U.UNet2DConditionModel(U.UNetConfig.preset("tiny_xl"), rngs=r))
+    x, t, ctx, added = _inputs(U.UNetConfig.preset("tiny_xl"), (8, 8))
     x = x.transpose(0, 2, 3, 1)
     shapes = lambda *args: nnx.eval_shape(lambda m: m(*args), model)  # errors come at trace time
     assert shapes(x, t, ctx, added).shape == x.shape
@@ -266,10 +265,10 @@ def test_every_diffusers_field_is_accounted_for():
 
 @pytest.mark.parametrize("name", list(HUB))
 def test_hub_configs_give_the_presets(name):
-    assert U.UNetConfig.from_diffusers_config(HUB[name]) == U.PRESETS[name]
+    assert U.UNetConfig.from_diffusers_config(HUB[name]) == U.UNetConfig.preset(name)
 
 
-@pytest.mark.parametrize("name", list(U.PRESETS))
+@pytest.mark.parametrize("name", presets.NAMES)
 def test_presets_round_trip(name):
     cfg = U.UNetConfig.preset(name)
     d = json.loads(json.dumps(cfg.to_diffusers_config()))
@@ -277,18 +276,10 @@ def test_presets_round_trip(name):
     assert U.UNetConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
-def test_presets_agree_with_sdx_presets():
-    from sdx import presets
-
-    assert set(U.PRESETS) == set(presets.NAMES)
-    for name in presets.NAMES:
-        assert U.UNetConfig.from_diffusers_config(presets.get(name).configs["unet"]) == U.PRESETS[name], name
-
-
-@pytest.mark.parametrize("name", list(U.PRESETS))
+@pytest.mark.parametrize("name", presets.NAMES)
 def test_preset_parameters_match_diffusers_state_dict(name):
     """Full-size models: diffusers on the meta device, sdx abstract; every key maps with its shape."""
-    cfg = U.PRESETS[name]
+    cfg = U.UNetConfig.preset(name)
     with torch.device("meta"):
         torch_model = diffusers.UNet2DConditionModel(
             **{k: v for k, v in cfg.to_diffusers_config().items() if not k.startswith("_")}
@@ -304,7 +295,7 @@ def test_extra_keys_that_do_not_change_the_math_are_accepted():
              cross_attention_norm="group_norm", mid_block_only_cross_attention=True, sample_size=[64, 96])
     cfg = U.UNetConfig.from_diffusers_config(d)
     assert cfg.sample_size == (64, 96)
-    assert dataclasses.replace(cfg, sample_size=64) == U.SD15
+    assert dataclasses.replace(cfg, sample_size=64) == U.UNetConfig.preset("sd15")
 
 
 @pytest.mark.parametrize("field, value", [
@@ -345,5 +336,5 @@ def test_text_time_needs_its_dimensions_and_wrong_class_is_refused():
         U.UNetConfig.from_diffusers_config(dict(HUB["sd15"], addition_embed_type="text_time"))
     with pytest.raises(SdxError, match="_class_name"):
         U.UNetConfig.from_diffusers_config(dict(HUB["sd15"], _class_name="UNet3DConditionModel"))
-    with pytest.raises(SdxError, match="unknown unet preset"):
+    with pytest.raises(SdxError, match="unknown preset .sd3."):
         U.UNetConfig.preset("sd3")

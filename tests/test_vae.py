@@ -14,7 +14,7 @@ from flax import nnx
 from sdx import weights
 from sdx.errors import SdxError
 from sdx.layers import Compute
-from sdx.vae import PRESETS, AutoencoderKL, DiagonalGaussian, VAEConfig
+from sdx.vae import AutoencoderKL, DiagonalGaussian, VAEConfig
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -191,13 +191,13 @@ _SDXL_CONFIG = {  # stabilityai/stable-diffusion-xl-base-1.0 vae/config.json
 
 
 def test_presets_match_released_configs():
-    assert VAEConfig.from_diffusers_config(_SD15_CONFIG) == PRESETS["sd"]
-    assert VAEConfig.from_diffusers_config(_SD21_CONFIG) == dataclasses.replace(PRESETS["sd"], sample_size=768)
-    assert VAEConfig.from_diffusers_config(_SDXL_CONFIG) == PRESETS["sdxl"] == VAEConfig.preset("sdxl")
-    assert PRESETS["sdxl"].force_upcast and PRESETS["sdxl"].scaling_factor == 0.13025
-    assert PRESETS["sd"].downsample_factor == PRESETS["sdxl"].downsample_factor == 8
-    assert PRESETS["tiny"].downsample_factor == 2
-    with pytest.raises(SdxError, match="unknown VAE preset 'sd3'"):
+    assert VAEConfig.from_diffusers_config(_SD15_CONFIG) == VAEConfig.preset("sd15")
+    assert VAEConfig.from_diffusers_config(_SD21_CONFIG) == dataclasses.replace(VAEConfig.preset("sd15"), sample_size=768)
+    assert VAEConfig.from_diffusers_config(_SDXL_CONFIG) == VAEConfig.preset("sdxl_base") == VAEConfig.preset("sdxl_refiner")
+    assert VAEConfig.preset("sdxl_base").force_upcast and VAEConfig.preset("sdxl_base").scaling_factor == 0.13025
+    assert VAEConfig.preset("sd15").downsample_factor == VAEConfig.preset("sdxl_base").downsample_factor == 8
+    assert VAEConfig.preset("tiny").downsample_factor == 2
+    with pytest.raises(SdxError, match="unknown preset 'sd3'"):
         VAEConfig.preset("sd3")
 
 
@@ -206,16 +206,16 @@ def test_real_size_parameter_names_match_diffusers():
     with torch.device("meta"):
         tmodel = diffusers.AutoencoderKL(**{k: v for k, v in _SDXL_CONFIG.items() if not k.startswith("_")})
     want = {k: tuple(v.shape) for k, v in tmodel.state_dict().items()}
-    model = weights.abstract(lambda rngs: AutoencoderKL(PRESETS["sdxl"], rngs=rngs))
+    model = weights.abstract(lambda rngs: AutoencoderKL(VAEConfig.preset("sdxl_base"), rngs=rngs))
     fake = {k: np.broadcast_to(np.float32(0), s) for k, s in want.items()}
     mapped = weights.from_torch_keys(weights.param_shapes(model), fake, where="sdxl vae")  # strict both ways
     assert len(mapped) == len(want) == 248
 
 
-@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("name", ["sd15", "sdxl_base", "tiny"])
 def test_config_round_trip(name):
-    cfg = dataclasses.replace(PRESETS[name], shift_factor=0.5, sample_size=(64, 96))
-    for c in (PRESETS[name], cfg):
+    cfg = dataclasses.replace(VAEConfig.preset(name), shift_factor=0.5, sample_size=(64, 96))
+    for c in (VAEConfig.preset(name), cfg):
         assert VAEConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(SdxError, match="unknown field.*attention_head_dim"):
         VAEConfig.from_dict({**cfg.to_dict(), "attention_head_dim": 8})
@@ -226,7 +226,7 @@ def test_scaling_helpers():
     z = jnp.array([1.0, -2.0])
     np.testing.assert_allclose(cfg.to_latents(z), [0.375, -1.125])
     np.testing.assert_allclose(cfg.from_latents(cfg.to_latents(z)), z)
-    np.testing.assert_allclose(PRESETS["sd"].to_latents(z), z * 0.18215)
+    np.testing.assert_allclose(VAEConfig.preset("sd15").to_latents(z), z * 0.18215)
 
 
 @pytest.mark.parametrize(
