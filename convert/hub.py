@@ -64,20 +64,28 @@ def fetch(
     where = f"hub repo {repo_id!r}" + (f" (revision {revision})" if revision else "")
     kw = dict(revision=revision, cache_dir=cache_dir)
     with hub_errors(where, missing=f"has no {MODEL_INDEX}, so it is not a diffusers-layout repo"):
-        if not _offline():
-            try:
-                files = list_repo_files(repo_id, revision=revision, token=token)
-            except _UNREACHABLE as e:
-                log(f"{where}: hub unreachable ({_one_line(e)}); using the local cache")
-            else:
-                index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, token=token, **kw))
-                index = parse_model_index(_read_json(index_path), where=f"{where}: {MODEL_INDEX}")
-                wanted = needed_files(index, files, variant, where=where)
-                log(f"{where}: fetching {len(wanted)} files")
-                return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
+        files = _online_listing(repo_id, revision, token, where, log)
+        if files is not None:
+            index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, token=token, **kw))
+            index = parse_model_index(_read_json(index_path), where=f"{where}: {MODEL_INDEX}")
+            wanted = needed_files(index, files, variant, where=where)
+            log(f"{where}: fetching {len(wanted)} files")
+            return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
         # Offline: the cached snapshot, as it is; the folder reader reports what it lacks.
         index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, local_files_only=True, **kw))
         return index_path.parent
+
+
+def _online_listing(repo_id: str, revision, token, where: str, log) -> list[str] | None:
+    """The repo's file list, or None when offline (HF_HUB_OFFLINE) or the hub cannot be reached: the
+    callers then fall back to the local cache."""
+    if _offline():
+        return None
+    try:
+        return list_repo_files(repo_id, revision=revision, token=token)
+    except _UNREACHABLE as e:
+        log(f"{where}: hub unreachable ({_one_line(e)}); using the local cache")
+        return None
 
 
 @contextlib.contextmanager
@@ -142,15 +150,11 @@ def fetch_files(
     where = f"hub repo {repo_id!r}" + (f" (revision {revision})" if revision else "")
     kw = dict(revision=revision, cache_dir=cache_dir)
     with hub_errors(where, missing="lacks a file it should have"):
-        if not _offline():
-            try:
-                files = list_repo_files(repo_id, revision=revision, token=token)
-            except _UNREACHABLE as e:
-                log(f"{where}: hub unreachable ({_one_line(e)}); using the local cache")
-            else:
-                wanted = choose(sorted(files))
-                log(f"{where}: fetching {', '.join(wanted)}")
-                return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
+        files = _online_listing(repo_id, revision, token, where, log)
+        if files is not None:
+            wanted = choose(sorted(files))
+            log(f"{where}: fetching {', '.join(wanted)}")
+            return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
         folder = Path(snapshot_download(repo_id, local_files_only=True, **kw))
         choose(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
         return folder
