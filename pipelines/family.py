@@ -29,13 +29,16 @@ class Family:
     """xl: SDXL conditioning (penultimate hidden states of every encoder concatenated, pooled text embeds
     and time ids as added inputs); pix2pix: the UNet also takes the input image's latents; aesthetic:
     time ids end with an aesthetic score (the refiner) instead of the target size; encoders: the text
-    encoders present, in prompt order; force_zeros: a missing negative prompt means zero embeddings."""
+    encoders present, in prompt order; force_zeros: a missing negative prompt means zero embeddings;
+    scaled_image_latents: the pix2pix image latents are multiplied by the VAE's scaling factor (CosXL
+    edit models, `is_cosxl_edit` in model_index.json)."""
 
     xl: bool
     pix2pix: bool
     aesthetic: bool
     encoders: tuple[str, ...]
     force_zeros: bool
+    scaled_image_latents: bool = False
 
     @property
     def name(self) -> str:
@@ -56,4 +59,5 @@ def family_of(pipeline_class: str, models: set[str] | dict, extra: dict) -> Fami
         aesthetic=bool(extra.get("requires_aesthetics_score", False)),
         encoders=encoders,
         force_zeros=bool(extra.get("force_zeros_for_empty_prompt", False)) if xl else False,
+        scaled_image_latents=bool(extra.get("is_cosxl_edit", False)),
     )

@@ -132,7 +132,10 @@ def _generate(graphdef, params, inputs: Inputs, plan: Plan):
         x = inputs.image.astype(jnp.float32)
 
     if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
-        image_latents = vae.encode(inputs.image.astype(vae_dtype(vae))).mode().astype(dtype)
+        image_latents = vae.encode(inputs.image.astype(vae_dtype(vae))).mode()
+        if fam.scaled_image_latents:
+            image_latents = image_latents * vae_cfg.scaling_factor
+        image_latents = image_latents.astype(dtype)
         if plan.cfg:
             image_latents = jnp.concatenate([image_latents, image_latents, jnp.zeros_like(image_latents)])
 

@@ -191,11 +191,16 @@ def test_sdxl_refiner_img2img_with_aesthetic_scores(tiny, tmp_path):
     assert_images_close(ours, to_uint8(ref))
 
 
-@pytest.mark.parametrize("kind", ["pix2pix", "sdxl_pix2pix"])
+@pytest.mark.parametrize("kind", ["pix2pix", "sdxl_pix2pix", "cosxl_edit"])
 def test_instruct_pix2pix(tiny, tmp_path, kind):
     import diffusers
 
-    pipe, folder = tiny(kind)
+    pipe, folder = tiny("sdxl_pix2pix" if kind == "cosxl_edit" else kind)
+    if kind == "cosxl_edit":  # image latents scaled by the VAE's factor, as model_index.json asks
+        pipe.register_to_config(is_cosxl_edit=True)
+        pipe.is_cosxl_edit = True
+        folder = tmp_path / "cosxl"
+        pipe.save_pretrained(folder)
     # timbrooks/instruct-pix2pix samples with Euler ancestral, whose per-step noise cannot be shared with
     # torch; both sides use plain Euler here (ancestral noise parity is tested in test_schedulers).
     pipe.scheduler = diffusers.EulerDiscreteScheduler.from_config(pipe.scheduler.config)
