@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import dataclasses
 import hashlib
-import importlib.util
 import os
 import sys
 import tempfile
@@ -133,8 +132,6 @@ def looks_local(text: str) -> bool:
 
 
 def _read_single_file(path: Path, log: Log, *, config=None, preset=None) -> Checkpoint:
-    if importlib.util.find_spec("convert.single_file") is None:
-        raise SdxError(f"{path}: single-file checkpoints are not supported by this build; give a diffusers folder")
     from convert import single_file
 
     log(f"reading single-file checkpoint {path}" + (f" with the configs of {config}" if config else ""))
