@@ -46,7 +46,7 @@ def model_parts(ckpt: Checkpoint) -> dict[str, model_folder.ModelPart]:
         cls = _class_of(name, ckpt.configs[name])
         if cls not in kind.classes:
             raise SdxError(f"{name}/config.json: class {cls!r}; sdx reads {' or '.join(kind.classes)} there")
-        targets = weights.param_shapes(kind.abstract(config))
+        targets = kind.param_shapes(config)
         arrays = weights.from_torch_keys(targets, tensors, where=where)
         parts[name] = model_folder.ModelPart(cls=cls, config=config, arrays=arrays, source_config=ckpt.configs[name])
     missing = sorted(n for n in ckpt.configs if n in model_folder.MODEL_KINDS and n not in ckpt.tensors)

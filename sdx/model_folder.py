@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -85,6 +86,12 @@ class ModelKind:
 
     def abstract(self, config, compute: Compute | None = None) -> nnx.Module:
         return weights.abstract(lambda rngs: self.build(config, compute or Compute(), rngs))
+
+    @functools.lru_cache(maxsize=8)
+    def param_shapes(self, config) -> dict[str, tuple[int, ...]]:
+        """Parameter path -> shape for `config` (shapes do not depend on dtype or backend; cached, since
+        converting maps the tensors and then checks them again before writing)."""
+        return weights.param_shapes(self.abstract(config))
 
 
 _CLIP = ModelKind(("CLIPTextModel", "CLIPTextModelWithProjection"), "sdx.clip", "TextEncoderConfig", "CLIPTextModel")
@@ -431,7 +438,7 @@ def write_model_folder(
             kind = MODEL_KINDS[name]
             if part.cls not in kind.classes:
                 raise SdxError(f"{name}: class {part.cls!r} is not one sdx builds for it ({', '.join(kind.classes)})")
-            weights.check_arrays(weights.param_shapes(kind.abstract(part.config)), part.arrays, where=name)
+            weights.check_arrays(kind.param_shapes(part.config), part.arrays, where=name)
             file = f"{name}.safetensors"
             items = [(k, weights.lazy_cast(part.arrays[k], cast)) for k in sorted(part.arrays)]
             try:
