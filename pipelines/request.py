@@ -63,7 +63,8 @@ class Request:
         return len(self.prompts) * self.num_images_per_prompt
 
 
-def _per_prompt(values: Sequence[str] | None, n: int, name: str) -> list[str] | None:
+def per_prompt(values: Sequence[str] | None, n: int, name: str) -> list[str] | None:
+    """`values` given once or once per prompt, as one per prompt (None stays None)."""
     if values is None:
         return None
     values = list(values)
@@ -132,10 +133,10 @@ def batches(
     per_image = lambda values: [v for v in values for _ in range(r.num_images_per_prompt)]
 
     prompts = [per_image(list(r.prompts))]
-    negatives = [per_image(_per_prompt(r.negative_prompts, len(r.prompts), "--negative-prompt") or [""] * len(r.prompts))]
+    negatives = [per_image(per_prompt(r.negative_prompts, len(r.prompts), "--negative-prompt") or [""] * len(r.prompts))]
     if family.xl and family.encoders == ("text_encoder", "text_encoder_2"):
-        prompts.append(per_image(_per_prompt(r.prompts_2, len(r.prompts), "--prompt-2") or list(r.prompts)))
-        neg2 = _per_prompt(r.negative_prompts_2, len(r.prompts), "--negative-prompt-2")
+        prompts.append(per_image(per_prompt(r.prompts_2, len(r.prompts), "--prompt-2") or list(r.prompts)))
+        neg2 = per_prompt(r.negative_prompts_2, len(r.prompts), "--negative-prompt-2")
         negatives.append(per_image(neg2) if neg2 else negatives[0])
     zero_negative = family.force_zeros and r.negative_prompts is None and r.negative_prompts_2 is None
     chunks = None

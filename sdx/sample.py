@@ -172,14 +172,9 @@ def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _nth(values: list[str] | None, i: int) -> str | None:
-    """The i-th of per-prompt values given once or once per prompt."""
-    return None if not values else values[i if len(values) > 1 else 0]
-
-
 def run(args: argparse.Namespace) -> list[Path]:
     from pipelines.pipeline import Pipeline, refine, to_uint8
-    from pipelines.request import Request
+    from pipelines.request import Request, per_prompt
     from pipelines.sampler import enable_compilation_cache
     from sdx import mesh as meshlib
 
@@ -246,11 +241,12 @@ def run(args: argparse.Namespace) -> list[Path]:
 
     pixels = to_uint8(images)
     scheduler_name = args.scheduler or type(pipe.scheduler).__name__
+    negatives = per_prompt(args.negative_prompt, len(args.prompt), "--negative-prompt")
     for i, path in enumerate(paths):
         prompt_index = i // args.num_images  # images are grouped by prompt
         params = {
             "prompt": request.prompts[prompt_index],
-            "negative_prompt": _nth(args.negative_prompt, prompt_index),
+            "negative_prompt": negatives[prompt_index] if negatives else None,
             "seed": args.seed, "image_index": i, "steps": args.steps, "scheduler": scheduler_name,
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
             "size": f"{width}x{height}", "model": args.model, "dtype": args.dtype,
