@@ -244,9 +244,7 @@ def read_vae_source(path: Path, pipeline_vae_config: dict, *, variant: str | Non
     if not (path / "config.json").is_file():
         raise SdxError(f"{where}: not a VAE folder (no config.json), a pipeline folder (no vae/config.json), "
                        "an sdx folder or a VAE file")
-    config = diffusers_folder._read_json(path / "config.json")
-    if not isinstance(config, dict):
-        raise SdxError(f"{path / 'config.json'}: not a JSON object")
+    config = weights.read_json(path / "config.json", obj=True)
     cls = config.get("_class_name", "AutoencoderKL")
     if cls != "AutoencoderKL":
         raise SdxError(f"{where}: its config.json describes a {cls}, not an AutoencoderKL")

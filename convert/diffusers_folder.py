@@ -27,7 +27,6 @@ Whether every tensor then fits the model is checked by the writer (`sdx.weights.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -114,16 +113,8 @@ def read_model_index(folder: Path) -> ModelIndex:
             raise SdxError(f"{folder}: is an sdx model folder, not a diffusers folder")
         raise SdxError(f"{folder}: unknown layout: no {MODEL_INDEX} (not a diffusers folder) and no "
                        f"{model_folder.SPEC_FILE} (not an sdx folder)")
-    return parse_model_index(_read_json(path), where=str(path))
+    return parse_model_index(weights.read_json(path), where=str(path))
 
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SdxError(f"{path}: missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SdxError(f"{path}: cannot read JSON ({e})") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +194,7 @@ def read_weights(folder: Path, choice: WeightsChoice) -> weights.SourceTensors:
     path = folder / choice.file
     if not choice.sharded:
         return weights.SourceTensors(weights.read_safetensors(path), where=str(path))
-    index = _read_json(path)
+    index = weights.read_json(path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise SdxError(f"{path}: not a shard index (no \"weight_map\")")
@@ -276,9 +267,7 @@ def read_diffusers_folder(
     for name, (library, _cls) in index.components.items():
         sub = folder / name
         if name in model_folder.MODEL_KINDS:
-            config = _read_json(sub / "config.json")
-            if not isinstance(config, dict):
-                raise SdxError(f"{sub / 'config.json'}: not a JSON object")
+            config = weights.read_json(sub / "config.json", obj=True)
             choice = choose_weights(_listing(sub), library, variant, where=str(sub))
             t = read_weights(sub, choice)
             if name in NORMALIZE:
@@ -289,10 +278,7 @@ def read_diffusers_folder(
             model_folder.check_tokenizer_folder(sub, where=str(folder / MODEL_INDEX))
             tokenizers[name] = sub
         else:  # the scheduler
-            config = _read_json(sub / SCHEDULER_CONFIG)
-            if not isinstance(config, dict):
-                raise SdxError(f"{sub / SCHEDULER_CONFIG}: not a JSON object")
-            configs[name] = config
+            configs[name] = weights.read_json(sub / SCHEDULER_CONFIG, obj=True)
     return Checkpoint(index.pipeline_class, configs, tensors, tokenizers, index.extra)
 
 

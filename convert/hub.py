@@ -11,7 +11,6 @@ that stops the fetch is one SdxError naming the repo id.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from huggingface_hub.errors import (
 )
 
 from convert.diffusers_folder import MODEL_INDEX, needed_files, parse_model_index
+from sdx import weights
 from sdx.errors import SdxError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -67,7 +67,7 @@ def fetch(
         files = _online_listing(repo_id, revision, token, where, log)
         if files is not None:
             index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, token=token, **kw))
-            index = parse_model_index(_read_json(index_path), where=f"{where}: {MODEL_INDEX}")
+            index = parse_model_index(weights.read_json(index_path), where=f"{where}: {MODEL_INDEX}")
             wanted = needed_files(index, files, variant, where=where)
             log(f"{where}: fetching {len(wanted)} files")
             return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
@@ -109,12 +109,6 @@ def hub_errors(where: str, *, missing: str) -> Iterator[None]:
     except (HfHubHTTPError, *_UNREACHABLE) as e:
         raise SdxError(f"{where}: could not be fetched ({_one_line(e)})") from None
 
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SdxError(f"{path}: cannot read JSON ({e})") from None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,6 @@ unpickling; torch is imported only then, and is not a runtime dependency).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -166,14 +165,6 @@ def load_tensors(path) -> dict[str, np.ndarray]:
 # Configs
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SdxError(f"{path}: not valid JSON ({e})") from None
-
 
 def _folder_configs(folder: Path) -> tuple[dict[str, dict], dict | None, dict[str, Path]]:
     """(component configs, model_index, tokenizer folders) found in a diffusers-layout folder."""
@@ -182,14 +173,14 @@ def _folder_configs(folder: Path) -> tuple[dict[str, dict], dict | None, dict[st
         raise SdxError(f"config folder {folder}: not a directory")
     configs = {}
     for name in ("unet", "vae", *_TEXT_ENCODERS):
-        cfg = _read_json(folder / name / "config.json")
+        cfg = weights.read_json(folder / name / "config.json", optional=True)
         if cfg is not None:
             configs[name] = cfg
-    scheduler = _read_json(folder / "scheduler" / "scheduler_config.json")
+    scheduler = weights.read_json(folder / "scheduler" / "scheduler_config.json", optional=True)
     if scheduler is not None:
         configs["scheduler"] = scheduler
     tokenizers = {t: folder / t for t in ("tokenizer", "tokenizer_2") if (folder / t).is_dir()}
-    index = _read_json(folder / "model_index.json")
+    index = weights.read_json(folder / "model_index.json", optional=True)
     if not configs and index is None:
         raise SdxError(
             f"config folder {folder}: no model_index.json and no <component>/config.json; "

@@ -37,7 +37,6 @@ import contextlib
 import dataclasses
 import functools
 import importlib
-import json
 import os
 import shutil
 import tempfile
@@ -169,10 +168,7 @@ def read_spec(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / SPEC_FILE
     if not path.is_file():
         raise SdxError(f"{folder}: not an sdx model folder (no {SPEC_FILE})")
-    try:
-        spec = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SdxError(f"{path}: cannot read ({e})") from None
+    spec = weights.read_json(path)
     if not isinstance(spec, dict) or spec.get("format") != FORMAT:
         raise SdxError(f"{path}: not an sdx spec (\"format\" is not \"{FORMAT}\")")
     if spec.get("format_version") != FORMAT_VERSION:

@@ -30,6 +30,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from sdx import weights
 from sdx.errors import SdxError
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -202,11 +203,11 @@ class CLIPTokenizer:
         p = Path(path)
         if not p.is_dir():
             raise SdxError(f"tokenizer folder {p} does not exist or is not a folder")
-        config = _read_json(p / "tokenizer_config.json") or {}
+        config = weights.read_json(p / "tokenizer_config.json", optional=True) or {}
         if (p / "added_tokens.json").exists():
             raise SdxError(f"{p / 'added_tokens.json'}: added_tokens.json is not supported; save the tokenizer with transformers >= 4.34")
-        special_map = _read_json(p / "special_tokens_map.json")
-        tj = _read_json(p / "tokenizer.json")
+        special_map = weights.read_json(p / "special_tokens_map.json", optional=True)
+        tj = weights.read_json(p / "tokenizer.json", optional=True)
         if tj is not None:
             model = tj.get("model") or {}
             if model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
@@ -215,7 +216,7 @@ class CLIPTokenizer:
             merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
             json_added = tj.get("added_tokens") or []
         elif (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
-            vocab = _read_json(p / "vocab.json")
+            vocab = weights.read_json(p / "vocab.json", optional=True)
             merges = _read_merges(p / "merges.txt")
             json_added = None
         else:
@@ -323,13 +324,6 @@ def write_builtin_folder(path: str | Path, pad_token: str = EOS) -> Path:
     return p
 
 
-def _read_json(path: Path) -> Any:
-    if not path.exists():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SdxError(f"{path}: cannot read ({e})") from e
 
 
 def _read_merges(path: Path) -> list[tuple[str, ...]]:

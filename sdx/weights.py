@@ -422,6 +422,25 @@ def write_safetensors(
     atomic_write(path, write)
 
 
+def read_json(path: str | os.PathLike, *, optional: bool = False, obj: bool = False) -> Any:
+    """The JSON at `path`. optional: None when there is no such file (else an error); obj: it must be a
+    JSON object. Every failure is one SdxError naming the file."""
+    path = Path(path)
+    if optional and not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SdxError(f"{path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise SdxError(f"{path}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SdxError(f"{path}: cannot read ({e})") from None
+    if obj and not isinstance(data, dict):
+        raise SdxError(f"{path}: not a JSON object")
+    return data
+
+
 def atomic_write_json(path: str | os.PathLike, data: Any, *, sort_keys: bool = False) -> None:
     """`data` as indented JSON at `path`, atomically (numpy scalars as numbers, tuples and sets as lists)."""
     text = json.dumps(data, indent=2, sort_keys=sort_keys, default=_json_default) + "\n"
