@@ -1,0 +1,346 @@
+"""A training run as one frozen dataclass, and the command line that fills it.
+
+The flags are diffusers' training-script flags with the same meaning and defaults
+(train_instruct_pix2pix(_sdxl).py, train_text_to_image(_sdxl).py), accepted with underscores and with
+dashes (`--train_batch_size` and `--train-batch-size`), so a diffusers command line runs after swapping
+`accelerate launch X.py` for `python -m train.X`. A diffusers flag sdx does not implement is an error
+naming it, never silently ignored. Differences, on purpose:
+
+- `--train_batch_size` is per device, as in diffusers (per GPU there): the global batch is it times the
+  number of devices, and one optimizer step sees that times `--gradient_accumulation_steps` samples.
+- `--lr_warmup_steps` and `--max_train_steps` count optimizer steps; diffusers multiplies the scheduler's
+  warm-up and length by the number of processes, sdx does not.
+- `--seed` defaults to 0 (diffusers: unseeded), so a run is reproducible unless asked otherwise.
+- `--mixed_precision bf16`: bfloat16 compute with float32 master weights; `fp16` is refused (no loss
+  scaling here, and the SDXL VAE overflows in float16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from sdx.errors import SdxError
+
+TASKS = ("pix2pix", "text_to_image", "vae")
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+EXPORT_FORMATS = ("sdx", "diffusers")
+
+# diffusers flags that sdx's trainers do not implement, with what to do instead.
+UNSUPPORTED = {
+    "use_8bit_adam": "8-bit Adam is a bitsandbytes (CUDA PyTorch) optimizer; drop the flag",
+    "allow_tf32": "XLA picks matmul precision itself; drop the flag",
+    "enable_xformers_memory_efficient_attention": "use --attention cudnn or chunked",
+    "enable_npu_flash_attention": "use --attention cudnn or chunked",
+    "push_to_hub": "upload --output_dir yourself with huggingface_hub",
+    "hub_token": "upload --output_dir yourself with huggingface_hub",
+    "hub_model_id": "upload --output_dir yourself with huggingface_hub",
+    "non_ema_revision": "the non-EMA weights come from --pretrained_model_name_or_path and --revision",
+    "offload_ema": "the EMA lives sharded with the parameters on the devices",
+    "foreach_ema": "the EMA update is one fused, jitted step already",
+    "dream_training": "DREAM is not implemented",
+    "dream_detail_preservation": "DREAM is not implemented",
+    "timestep_bias_strategy": "timestep bias is not implemented (timesteps are drawn uniformly)",
+    "timestep_bias_multiplier": "timestep bias is not implemented (timesteps are drawn uniformly)",
+    "timestep_bias_begin": "timestep bias is not implemented (timesteps are drawn uniformly)",
+    "timestep_bias_end": "timestep bias is not implemented (timesteps are drawn uniformly)",
+    "timestep_bias_portion": "timestep bias is not implemented (timesteps are drawn uniformly)",
+    "dataset_config_name": "point --dataset_name at the configuration's parquet folder instead",
+    "tracker_project_name": "only TensorBoard (--report_to tensorboard) is written",
+    "local_rank": "multi-host runs use jax.distributed (JAX's coordinator variables), not a rank flag",
+    "image_interpolation_mode": "images are resized bilinearly with antialiasing",
+    "vae_precision": "the VAE runs in float32",
+    "crops_coords_top_left_h": "SDXL crop conditioning is the crop actually applied to each image",
+    "crops_coords_top_left_w": "SDXL crop conditioning is the crop actually applied to each image",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Every flag of `python -m train.X`; see `parser` for each one's help."""
+
+    task: str
+    pretrained_model_name_or_path: str | None = None
+    pretrained_vae_model_name_or_path: str | None = None
+    revision: str | None = None
+    variant: str | None = None
+    cache_dir: str | None = None
+    # data
+    dataset_name: str | None = None
+    train_data_dir: str | None = None
+    original_image_column: str = "input_image"
+    edit_prompt_column: str = "edit_prompt"
+    edited_image_column: str = "edited_image"
+    image_column: str = "image"
+    caption_column: str = "text"
+    max_train_samples: int | None = None
+    resolution: int = 512
+    center_crop: bool = False
+    random_flip: bool = False
+    dataloader_num_workers: int = 0
+    cache_latents: bool = False
+    # optimisation
+    output_dir: str = "sdx-model-finetuned"
+    seed: int = 0
+    train_batch_size: int = 16
+    num_train_epochs: int = 100
+    max_train_steps: int | None = None
+    gradient_accumulation_steps: int = 1
+    gradient_checkpointing: bool = False
+    learning_rate: float = 1e-4
+    scale_lr: bool = False
+    lr_scheduler: str = "constant"
+    lr_warmup_steps: int = 500
+    lr_num_cycles: int = 1
+    lr_power: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_weight_decay: float = 1e-2
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    mixed_precision: str = "no"
+    attention: str = "xla"
+    fsdp: int = 1
+    # objective
+    prediction_type: str | None = None
+    snr_gamma: float | None = None
+    noise_offset: float = 0.0
+    input_perturbation: float = 0.0
+    conditioning_dropout_prob: float | None = None
+    proportion_empty_prompts: float = 0.0
+    # EMA
+    use_ema: bool = False
+    ema_decay: float = 0.9999
+    ema_min_decay: float = 0.0
+    ema_update_after_step: int = 0
+    ema_use_warmup: bool = False
+    ema_inv_gamma: float = 1.0
+    ema_power: float = 2 / 3
+    # VAE training
+    kl_weight: float = 1e-6
+    reconstruction_loss: str = "l1"
+    vae_config: str | None = None
+    # checkpoints, validation, logging, output
+    checkpointing_steps: int = 500
+    checkpoints_total_limit: int | None = None
+    resume_from_checkpoint: str | None = None
+    validation_prompt: tuple[str, ...] = ()
+    val_image_url_or_path: str | None = None
+    num_validation_images: int = 4
+    validation_steps: int | None = None
+    validation_epochs: int | None = None
+    validation_inference_steps: int = 20
+    report_to: str = "tensorboard"
+    logging_dir: str = "logs"
+    export_format: str = "sdx"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# task -> its default resolution and output folder (diffusers' script defaults)
+_DEFAULTS = {
+    "pix2pix": {"resolution": 256, "output_dir": "instruct-pix2pix-model"},
+    "text_to_image": {"resolution": 512, "output_dir": "sd-model-finetuned"},
+    "vae": {"resolution": 256, "output_dir": "vae-finetuned", "learning_rate": 4.5e-6},
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every sdx error
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
+    """Add --name and its dashed spelling --na-me, both writing `name`."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    p.add_argument(*spellings, dest=name, **kw)
+
+
+def _bool(p, name: str, help: str) -> None:
+    _flag(p, name, action="store_true", help=help)
+
+
+def parser(task: str) -> argparse.ArgumentParser:
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task]
+    p = _Parser(prog=f"python -m train.{task}", allow_abbrev=False,
+                description=f"Fine-tune with sdx ({task}); flags as diffusers' training scripts.")
+    opt = lambda name, help, **kw: _flag(p, name, default=d[name], help=help, **kw)
+
+    model_help = "what `python -m sdx.sample --model` takes: sdx folder, diffusers folder, single file or hub id"
+    if task == "vae":
+        model_help += "; its VAE is fine-tuned (or give --vae_config to start from random weights)"
+    opt("pretrained_model_name_or_path", model_help)
+    opt("pretrained_vae_model_name_or_path", "use this VAE instead of the model's (as `--vae` of the sampler)")
+    opt("revision", "hub revision of the model")
+    opt("variant", "weights variant to read (e.g. fp16)")
+    opt("cache_dir", "hub cache folder for models and datasets")
+
+    opt("dataset_name", "parquet dataset: a hub dataset id, a local folder of .parquet files, or one file")
+    opt("train_data_dir", "an image folder with metadata.jsonl (file_name plus the text column)")
+    if task == "pix2pix":
+        opt("original_image_column", "the image before the edit")
+        opt("edit_prompt_column", "the edit instruction")
+        opt("edited_image_column", "the image after the edit")
+    else:
+        opt("image_column", "the image column")
+        if task == "text_to_image":
+            opt("caption_column", "the caption column")
+    opt("max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
+    opt("resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
+    _bool(p, "center_crop", "crop the center (default: a random crop)")
+    _bool(p, "random_flip", "flip horizontally with probability 1/2")
+    opt("dataloader_num_workers", "data loading worker processes (0: in the main process)", type=int)
+    if task != "vae":
+        _bool(p, "cache_latents", "encode the dataset once (VAE moments, text embeddings) into output_dir/cache")
+
+    opt("output_dir", "where the model, checkpoints, logs and validation images go")
+    opt("seed", "seed of every random draw (noise, timesteps, dropout, crops, flips, shuffling)", type=int)
+    opt("train_batch_size", "samples per device per micro-batch", type=int)
+    opt("num_train_epochs", "epochs (when --max_train_steps is not given)", type=int)
+    opt("max_train_steps", "optimizer steps; overrides --num_train_epochs", type=int)
+    opt("gradient_accumulation_steps", "micro-batches per optimizer step (summed inside one compiled step)", type=int)
+    _bool(p, "gradient_checkpointing", "rematerialise each block in the backward pass (less memory, more compute)")
+    opt("learning_rate", "peak learning rate", type=float)
+    _bool(p, "scale_lr", "multiply the learning rate by accumulation steps x batch size x devices")
+    opt("lr_scheduler", "learning-rate curve", choices=LR_SCHEDULERS)
+    opt("lr_warmup_steps", "linear warm-up, in optimizer steps", type=int)
+    opt("lr_num_cycles", "cosine_with_restarts: number of hard restarts", type=int)
+    opt("lr_power", "polynomial: power of the decay", type=float)
+    opt("adam_beta1", "AdamW beta1", type=float)
+    opt("adam_beta2", "AdamW beta2", type=float)
+    opt("adam_weight_decay", "AdamW decoupled weight decay", type=float)
+    opt("adam_epsilon", "AdamW epsilon", type=float)
+    opt("max_grad_norm", "clip the global gradient norm to this (0: no clipping)", type=float)
+    opt("mixed_precision", "bf16: bfloat16 compute, float32 master weights", choices=("no", "bf16", "fp16"))
+    opt("attention", "attention backend", choices=("xla", "cudnn", "chunked"))
+    opt("fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)", type=int)
+
+    if task != "vae":
+        opt("prediction_type", "training target (default: the model's scheduler config)", choices=PREDICTION_TYPES)
+        opt("snr_gamma", "min-SNR loss weighting with this gamma (5.0 is the paper's)", type=float)
+        opt("noise_offset", "offset noise scale", type=float)
+        opt("input_perturbation", "input perturbation scale", type=float)
+        if task == "pix2pix":
+            opt("conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
+        else:
+            opt("proportion_empty_prompts", "replace this proportion of captions by the empty prompt", type=float)
+    else:
+        opt("kl_weight", "weight of the KL term", type=float)
+        opt("reconstruction_loss", "l1 or l2", choices=("l1", "l2"))
+        opt("vae_config", "train from random weights: a preset name or a VAE config.json")
+
+    _bool(p, "use_ema", "keep an exponential moving average of the weights; validate and save it")
+    opt("ema_decay", "EMA: maximum decay", type=float)
+    opt("ema_min_decay", "EMA: minimum decay", type=float)
+    opt("ema_update_after_step", "EMA: copy the weights until this optimizer step, then average", type=int)
+    _bool(p, "ema_use_warmup", "EMA: decay 1 - (1 + step/inv_gamma)^-power instead of (1 + step)/(10 + step)")
+    opt("ema_inv_gamma", "EMA warm-up inverse gamma", type=float)
+    opt("ema_power", "EMA warm-up power", type=float)
+
+    opt("checkpointing_steps", "save a resumable checkpoint every N optimizer steps", type=int)
+    opt("checkpoints_total_limit", "keep only the newest N checkpoints", type=int)
+    opt("resume_from_checkpoint", "'latest' or a checkpoint folder")
+    if task != "vae":
+        _flag_with_alias(p, "validation_prompt", "--validation_prompts", nargs="+", default=[],
+              help="prompt(s) (pix2pix: the edit instruction) sampled at each validation")
+        if task == "pix2pix":
+            _flag_with_alias(p, "val_image_url_or_path", "--val_image_url", default=None,
+                  help="the image validation edits (a local path)")
+        opt("num_validation_images", "images per validation prompt", type=int)
+        opt("validation_inference_steps", "sampler steps of validation images", type=int)
+    opt("validation_steps", "validate every N optimizer steps", type=int)
+    opt("validation_epochs", "validate every N epochs", type=int)
+    opt("report_to", "metrics sink besides metrics.jsonl", choices=("tensorboard", "none"))
+    opt("logging_dir", "TensorBoard folder, relative to --output_dir", type=str)
+    opt("export_format", "also write the final model in this layout (the sdx folder is always written)",
+        choices=EXPORT_FORMATS)
+    return p
+
+
+def _flag_with_alias(p, name: str, alias: str, **kw) -> None:
+    spellings = [f"--{name}", f"--{name.replace('_', '-')}", alias, alias.replace("_", "-")]
+    p.add_argument(*dict.fromkeys(spellings), dest=name, **kw)
+
+
+def parse(task: str, argv: list[str] | None = None) -> TrainConfig:
+    """The run `argv` describes, checked; bad input exits 2 with one `error:` line."""
+    if task not in TASKS:
+        raise ValueError(task)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for arg in argv:
+        name = arg.lstrip("-").split("=", 1)[0].replace("-", "_")
+        if arg.startswith("--") and name in UNSUPPORTED:
+            _die(f"--{name} (a diffusers flag) is not supported by sdx: {UNSUPPORTED[name]}")
+    ns = parser(task).parse_args(argv)
+    values = {k: v for k, v in vars(ns).items()}
+    if "validation_prompt" in values:
+        values["validation_prompt"] = tuple(values["validation_prompt"])
+    cfg = TrainConfig(task=task, **values)
+    try:
+        check(cfg)
+    except SdxError as e:
+        _die(str(e))
+    return cfg
+
+
+def _die(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def check(c: TrainConfig) -> None:
+    """Value checks that need no file access (files are checked by the loop before any heavy work)."""
+    if c.task == "vae":
+        if not c.pretrained_model_name_or_path and not c.vae_config:
+            raise SdxError("give --pretrained_model_name_or_path (its VAE is fine-tuned) or --vae_config")
+    elif not c.pretrained_model_name_or_path:
+        raise SdxError("--pretrained_model_name_or_path is required")
+    if bool(c.dataset_name) == bool(c.train_data_dir):
+        raise SdxError("give exactly one of --dataset_name (parquet) and --train_data_dir (image folder)")
+    positive = ("resolution", "train_batch_size", "num_train_epochs", "gradient_accumulation_steps",
+                "checkpointing_steps", "fsdp", "lr_num_cycles", "num_validation_images", "validation_inference_steps")
+    for name in positive:
+        if getattr(c, name) < 1:
+            raise SdxError(f"--{name} must be at least 1, got {getattr(c, name)}")
+    for name in ("max_train_steps", "max_train_samples", "checkpoints_total_limit", "validation_steps",
+                 "validation_epochs"):
+        value = getattr(c, name)
+        if value is not None and value < 1:
+            raise SdxError(f"--{name} must be at least 1, got {value}")
+    for name in ("lr_warmup_steps", "dataloader_num_workers", "ema_update_after_step"):
+        if getattr(c, name) < 0:
+            raise SdxError(f"--{name} must not be negative, got {getattr(c, name)}")
+    if c.learning_rate <= 0:
+        raise SdxError(f"--learning_rate must be positive, got {c.learning_rate}")
+    for name in ("noise_offset", "input_perturbation", "max_grad_norm", "adam_weight_decay", "kl_weight"):
+        if getattr(c, name) < 0:
+            raise SdxError(f"--{name} must not be negative, got {getattr(c, name)}")
+    if c.adam_epsilon <= 0:
+        raise SdxError(f"--adam_epsilon must be positive, got {c.adam_epsilon}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(c, name) < 1:
+            raise SdxError(f"--{name} must be in [0, 1), got {getattr(c, name)}")
+    for name in ("ema_decay", "ema_min_decay"):
+        if not 0 <= getattr(c, name) <= 1:
+            raise SdxError(f"--{name} must be in [0, 1], got {getattr(c, name)}")
+    if c.ema_min_decay > c.ema_decay:
+        raise SdxError(f"--ema_min_decay {c.ema_min_decay} is above --ema_decay {c.ema_decay}")
+    if c.ema_inv_gamma <= 0 or c.ema_power <= 0:
+        raise SdxError("--ema_inv_gamma and --ema_power must be positive")
+    if c.snr_gamma is not None and c.snr_gamma <= 0:
+        raise SdxError(f"--snr_gamma must be positive, got {c.snr_gamma}")
+    if c.conditioning_dropout_prob is not None and not 0 <= c.conditioning_dropout_prob <= 1 / 3:
+        raise SdxError(f"--conditioning_dropout_prob must be in [0, 1/3] (text, image and both are each dropped "
+                       f"with it), got {c.conditioning_dropout_prob}")
+    if not 0 <= c.proportion_empty_prompts <= 1:
+        raise SdxError(f"--proportion_empty_prompts must be in [0, 1], got {c.proportion_empty_prompts}")
+    if c.mixed_precision == "fp16":
+        raise SdxError("--mixed_precision fp16 is not supported (no loss scaling; the SDXL VAE overflows in "
+                       "float16); use bf16")
+    if c.task == "pix2pix" and c.validation_prompt and not c.val_image_url_or_path:
+        raise SdxError("--validation_prompt needs --val_image_url_or_path (the image to edit) for pix2pix")
