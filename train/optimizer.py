@@ -1,0 +1,36 @@
+"""The diffusers scripts' optimizer as an optax transformation: `accelerator.clip_grad_norm_(params,
+max_grad_norm)` then `torch.optim.AdamW(params, lr, betas, weight_decay, eps)` stepped by the scheduler.
+
+torch's AdamW and optax's adamw are the same update: p ← p − lr·(m̂/(√v̂ + ε) + wd·p) with m̂, v̂ the
+bias-corrected moments (ε outside the square root, decoupled weight decay on every parameter, scaled by
+the learning rate of the step). The clipping is torch's `clip_grad_norm_` formula, g × min(1, max_norm /
+(‖g‖ + 1e-6)), not optax's clip_by_global_norm (which has no 1e-6 and leaves a norm of exactly
+max_norm alone), so gradients match torch's to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def clip_grad_norm(max_norm: float) -> optax.GradientTransformation:
+    """torch.nn.utils.clip_grad_norm_: scale all gradients by min(1, max_norm / (global_norm + 1e-6))."""
+
+    def update(updates, state, params=None):
+        del params
+        scale = jnp.minimum(1.0, max_norm / (optax.global_norm(updates) + 1e-6))
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], beta1: float = 0.9, beta2: float = 0.999,
+          weight_decay: float = 1e-2, eps: float = 1e-8, max_grad_norm: float | None = 1.0) -> optax.GradientTransformation:
+    """Clipping (skipped when max_grad_norm is None) then AdamW; `learning_rate` a float or a `train.lr`
+    schedule, read with the count of updates done before this one. Defaults: the scripts' flag defaults."""
+    adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=eps, weight_decay=weight_decay)
+    return adam if max_grad_norm is None else optax.chain(clip_grad_norm(max_grad_norm), adam)
