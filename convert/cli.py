@@ -22,7 +22,7 @@ from pathlib import Path
 
 from convert import diffusers_folder, export, hub, sdx_folder
 from convert.checkpoint import Checkpoint
-from sdx import model_folder, weights
+from sdx import io, model_folder, weights
 from sdx.errors import SdxError
 
 Log = Callable[[str], None]
@@ -244,7 +244,7 @@ def read_vae_source(path: Path, pipeline_vae_config: dict, *, variant: str | Non
     if not (path / "config.json").is_file():
         raise SdxError(f"{where}: not a VAE folder (no config.json), a pipeline folder (no vae/config.json), "
                        "an sdx folder or a VAE file")
-    config = weights.read_json(path / "config.json", obj=True)
+    config = io.read_json(path / "config.json", obj=True)
     cls = config.get("_class_name", "AutoencoderKL")
     if cls != "AutoencoderKL":
         raise SdxError(f"{where}: its config.json describes a {cls}, not an AutoencoderKL")

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from convert.checkpoint import Checkpoint
-from sdx import model_folder, weights
+from sdx import io, model_folder, weights
 from sdx.errors import SdxError
 
 MODEL_INDEX = "model_index.json"
@@ -113,7 +113,7 @@ def read_model_index(folder: Path) -> ModelIndex:
             raise SdxError(f"{folder}: is an sdx model folder, not a diffusers folder")
         raise SdxError(f"{folder}: unknown layout: no {MODEL_INDEX} (not a diffusers folder) and no "
                        f"{model_folder.SPEC_FILE} (not an sdx folder)")
-    return parse_model_index(weights.read_json(path), where=str(path))
+    return parse_model_index(io.read_json(path), where=str(path))
 
 
 
@@ -193,8 +193,8 @@ def read_weights(folder: Path, choice: WeightsChoice) -> weights.SourceTensors:
     """The tensors of one component, memory-mapped; a shard index must match its shards exactly."""
     path = folder / choice.file
     if not choice.sharded:
-        return weights.SourceTensors(weights.read_safetensors(path), where=str(path))
-    index = weights.read_json(path)
+        return weights.SourceTensors(io.read_safetensors(path), where=str(path))
+    index = io.read_json(path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise SdxError(f"{path}: not a shard index (no \"weight_map\")")
@@ -203,7 +203,7 @@ def read_weights(folder: Path, choice: WeightsChoice) -> weights.SourceTensors:
         shard_path = folder / shard
         if not shard_path.is_file():
             raise SdxError(f"{path}: shard {shard} is missing (listed for {_first(weight_map, shard)!r})")
-        tensors = weights.read_safetensors(shard_path)
+        tensors = io.read_safetensors(shard_path)
         for key in tensors:
             if weight_map.get(key) != shard:
                 raise SdxError(f"{shard_path}: tensor {key!r} is not listed for this shard in {path.name}")
@@ -267,7 +267,7 @@ def read_diffusers_folder(
     for name, (library, _cls) in index.components.items():
         sub = folder / name
         if name in model_folder.MODEL_KINDS:
-            config = weights.read_json(sub / "config.json", obj=True)
+            config = io.read_json(sub / "config.json", obj=True)
             choice = choose_weights(_listing(sub), library, variant, where=str(sub))
             t = read_weights(sub, choice)
             if name in NORMALIZE:
@@ -278,7 +278,7 @@ def read_diffusers_folder(
             model_folder.check_tokenizer_folder(sub, where=str(folder / MODEL_INDEX))
             tokenizers[name] = sub
         else:  # the scheduler
-            configs[name] = weights.read_json(sub / SCHEDULER_CONFIG, obj=True)
+            configs[name] = io.read_json(sub / SCHEDULER_CONFIG, obj=True)
     return Checkpoint(index.pipeline_class, configs, tensors, tokenizers, index.extra)
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from convert import sdx_folder
 from convert.checkpoint import Checkpoint
-from sdx import model_folder, weights
+from sdx import io, model_folder, weights
 from sdx.errors import SdxError
 
 Log = Callable[[str], None]
@@ -110,12 +110,12 @@ def write_diffusers_folder(
     with model_folder.building_folder(out, overwrite=overwrite) as tmp:
         for name, part in parts.items():
             (tmp / name).mkdir()
-            weights.atomic_write_json(tmp / name / "config.json", _model_config(name, part), sort_keys=True)
+            io.atomic_write_json(tmp / name / "config.json", _model_config(name, part), sort_keys=True)
             tensors = weights.to_torch_keys(part.arrays)
             items = [(k, weights.lazy_cast(tensors[k], cast)) for k in sorted(tensors)]
             file = WEIGHTS_NAME[LIBRARY[name]]
             try:
-                weights.write_safetensors(tmp / name / file, items, metadata={"format": "pt"})
+                io.write_safetensors(tmp / name / file, items, metadata={"format": "pt"})
             except OSError as e:
                 raise SdxError(f"cannot write {Path(out) / name / file}: {e.strerror or e}") from None
             log(f"{name}: {len(items)} tensors -> {name}/{file}")
@@ -126,8 +126,8 @@ def write_diffusers_folder(
                 raise SdxError(f"cannot copy tokenizer {folder} to {Path(out) / name}: {e}") from None
         (tmp / model_folder.SCHEDULER).mkdir()
         scheduler = ckpt.configs[model_folder.SCHEDULER]
-        weights.atomic_write_json(tmp / model_folder.SCHEDULER / "scheduler_config.json", scheduler, sort_keys=True)
-        weights.atomic_write_json(tmp / "model_index.json", index, sort_keys=True)
+        io.atomic_write_json(tmp / model_folder.SCHEDULER / "scheduler_config.json", scheduler, sort_keys=True)
+        io.atomic_write_json(tmp / "model_index.json", index, sort_keys=True)
     log(f"wrote {out} (diffusers layout, {ckpt.pipeline_class}, {dtype})")
     return Path(out)
 
@@ -162,7 +162,7 @@ def write_single_file_checkpoint(
     items = [(k, weights.lazy_cast(v, cast)) for k, v in tensors.items()]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        weights.write_safetensors(out, items, metadata={"format": "pt"})
+        io.write_safetensors(out, items, metadata={"format": "pt"})
     except OSError as e:
         raise SdxError(f"cannot write {out}: {e.strerror or e}") from None
     log(f"wrote {out} (single file, {len(items)} tensors, {dtype}); it holds no configs: read it back with its "

@@ -29,7 +29,7 @@ from huggingface_hub.errors import (
 )
 
 from convert.diffusers_folder import MODEL_INDEX, needed_files, parse_model_index
-from sdx import weights
+from sdx import io
 from sdx.errors import SdxError
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -67,7 +67,7 @@ def fetch(
         files = _online_listing(repo_id, revision, token, where, log)
         if files is not None:
             index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, token=token, **kw))
-            index = parse_model_index(weights.read_json(index_path), where=f"{where}: {MODEL_INDEX}")
+            index = parse_model_index(io.read_json(index_path), where=f"{where}: {MODEL_INDEX}")
             wanted = needed_files(index, files, variant, where=where)
             log(f"{where}: fetching {len(wanted)} files")
             return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))

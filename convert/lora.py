@@ -34,7 +34,7 @@ import numpy as np
 from convert import single_file_keys as K
 from convert.checkpoint import Checkpoint
 from convert.single_file import load_tensors
-from sdx import weights
+from sdx import io
 from sdx.errors import SdxError
 
 _COMPONENTS = ("unet", "text_encoder", "text_encoder_2")
@@ -195,7 +195,7 @@ def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], tuple[np.
         raise SdxError(f"{path}: holds no tensors")
     metadata = {}
     if path.suffix.lower() == ".safetensors":
-        raw = weights.read_safetensors_metadata(path).get("lora_adapter_metadata")
+        raw = io.read_safetensors_metadata(path).get("lora_adapter_metadata")
         if raw:
             try:
                 metadata = json.loads(raw)

@@ -29,7 +29,7 @@ The UNet's EMA copy (`model_ema.*`, in LDM files) is ignored unless `ema=True` a
 place of the trained weights. A standalone VAE file (LDM or diffusers keys) gives a Checkpoint with
 only a "vae" component; `read_vae` maps one onto a given VAE config (for `--vae`).
 
-Files: safetensors (memory-mapped through `sdx.weights.read_safetensors`, read lazily), or a
+Files: safetensors (memory-mapped through `sdx.io.read_safetensors`, read lazily), or a
 pickled `.ckpt`/`.pt`/`.pth`/`.bin` through `torch.load(weights_only=True)` only (never a full
 unpickling; torch is imported only then, and is not a runtime dependency).
 """
@@ -45,7 +45,7 @@ import numpy as np
 
 from convert import single_file_keys as K
 from convert.checkpoint import Checkpoint
-from sdx import presets, weights
+from sdx import io, presets
 from sdx.errors import SdxError
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -158,7 +158,7 @@ def load_tensors(path) -> dict[str, np.ndarray]:
             head = f.read(9)
         if head[:4] == b"PK\x03\x04" or head[:2] == b"\x80\x02":  # torch's zip, or a legacy pickle
             return _load_pickle(path)
-    return weights.read_safetensors(path)
+    return io.read_safetensors(path)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,14 +173,14 @@ def _folder_configs(folder: Path) -> tuple[dict[str, dict], dict | None, dict[st
         raise SdxError(f"config folder {folder}: not a directory")
     configs = {}
     for name in ("unet", "vae", *_TEXT_ENCODERS):
-        cfg = weights.read_json(folder / name / "config.json", optional=True)
+        cfg = io.read_json(folder / name / "config.json", optional=True)
         if cfg is not None:
             configs[name] = cfg
-    scheduler = weights.read_json(folder / "scheduler" / "scheduler_config.json", optional=True)
+    scheduler = io.read_json(folder / "scheduler" / "scheduler_config.json", optional=True)
     if scheduler is not None:
         configs["scheduler"] = scheduler
     tokenizers = {t: folder / t for t in ("tokenizer", "tokenizer_2") if (folder / t).is_dir()}
-    index = weights.read_json(folder / "model_index.json", optional=True)
+    index = io.read_json(folder / "model_index.json", optional=True)
     if not configs and index is None:
         raise SdxError(
             f"config folder {folder}: no model_index.json and no <component>/config.json; "
@@ -455,4 +455,4 @@ def write_single_file(checkpoint: Checkpoint, path) -> None:
     tensors = single_file_tensors(checkpoint, lazy=True)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    weights.write_safetensors(path, tensors, metadata={"format": "pt"})
+    io.write_safetensors(path, tensors, metadata={"format": "pt"})

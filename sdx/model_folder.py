@@ -40,6 +40,7 @@ import importlib
 import os
 import shutil
 import tempfile
+import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sdx import weights
+from sdx import io, weights
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -87,10 +88,11 @@ class ModelKind:
         return weights.abstract(lambda rngs: self.build(config, compute or Compute(), rngs))
 
     @functools.lru_cache(maxsize=8)
-    def param_shapes(self, config) -> dict[str, tuple[int, ...]]:
+    def param_shapes(self, config) -> Mapping[str, tuple[int, ...]]:
         """Parameter path -> shape for `config` (shapes do not depend on dtype or backend; cached, since
-        converting maps the tensors and then checks them again before writing)."""
-        return weights.param_shapes(self.abstract(config))
+        converting maps the tensors and then checks them again before writing). Read-only: every
+        caller shares the cached table."""
+        return types.MappingProxyType(weights.param_shapes(self.abstract(config)))
 
 
 _CLIP = ModelKind(("CLIPTextModel", "CLIPTextModelWithProjection"), "sdx.clip", "TextEncoderConfig", "CLIPTextModel")
@@ -168,7 +170,7 @@ def read_spec(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / SPEC_FILE
     if not path.is_file():
         raise SdxError(f"{folder}: not an sdx model folder (no {SPEC_FILE})")
-    spec = weights.read_json(path)
+    spec = io.read_json(path)
     if not isinstance(spec, dict) or spec.get("format") != FORMAT:
         raise SdxError(f"{path}: not an sdx spec (\"format\" is not \"{FORMAT}\")")
     if spec.get("format_version") != FORMAT_VERSION:
@@ -233,10 +235,10 @@ def read_arrays(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any]
     path = folder / _entry(spec, folder, name)["file"]
     if not path.is_file():
         raise SdxError(f"{path}: missing (listed in {SPEC_FILE} for {name})")
-    meta = weights.read_safetensors_metadata(path)
+    meta = io.read_safetensors_metadata(path)
     if meta.get("component", name) != name:
         raise SdxError(f"{path}: holds component {meta['component']!r}, but {SPEC_FILE} lists it for {name!r}")
-    return weights.read_safetensors(path)
+    return io.read_safetensors(path)
 
 
 def _np_dtype(dtype) -> np.dtype:
@@ -276,62 +278,6 @@ def load_component(
     return weights.materialize(model, arrays, dtype=param_dtype, sharding=sharding)
 
 
-@dataclasses.dataclass
-class PipelineParts:
-    """Everything a sampler needs from a model folder. `models`/`configs`: by component name
-    ("unet", "vae", "text_encoder", "text_encoder_2"); `tokenizers`: "tokenizer", "tokenizer_2"."""
-
-    pipeline_class: str
-    models: dict[str, nnx.Module]
-    configs: dict[str, Any]
-    tokenizers: dict[str, Any]
-    scheduler_config: dict[str, Any]
-    extra: dict[str, Any]
-    dtype: str  # as stored
-    folder: Path
-
-
-def components(folder: str | os.PathLike, *, spec: Mapping[str, Any] | None = None) -> tuple[str, ...]:
-    """The component names in the folder (models, tokenizers, scheduler)."""
-    return tuple((spec or read_spec(folder))["components"])
-
-
-def load_pipeline(
-    folder: str | os.PathLike,
-    *,
-    dtype=None,
-    compute: Compute | Mapping[str, Compute] | None = None,
-    sharding: weights.Sharding = None,
-    models: tuple[str, ...] | None = None,
-    tokenizers: bool = True,
-) -> PipelineParts:
-    """Load the folder's models (all, or those named in `models`), tokenizers and scheduler config.
-
-    `compute` may be one Compute for every model or a dict by component name (missing names take the
-    default of `load_component`); `dtype` and `sharding` as in `load_component`.
-    """
-    folder = Path(folder)
-    spec = read_spec(folder)
-    names = [c for c in spec["components"] if c in MODEL_KINDS and (models is None or c in models)]
-    if models is not None:
-        unknown = [m for m in models if m not in names]
-        if unknown:
-            raise SdxError(f"{folder}: no model component(s) {', '.join(unknown)} (it has {', '.join(names)})")
-    cps = compute if isinstance(compute, Mapping) else {n: compute for n in names}
-    loaded = {n: load_component(folder, n, dtype=dtype, compute=cps.get(n), sharding=sharding, spec=spec) for n in names}
-    return PipelineParts(
-        pipeline_class=spec["pipeline_class"],
-        models=loaded,
-        configs={n: model_config(folder, n, spec=spec) for n in spec["components"] if n in MODEL_KINDS},
-        tokenizers={n: load_tokenizer(folder, n, spec=spec) for n in spec["components"] if n in TOKENIZERS}
-        if tokenizers else {},
-        scheduler_config=scheduler_config(folder, spec=spec),
-        extra=dict(spec["extra"]),
-        dtype=spec["dtype"],
-        folder=folder,
-    )
-
-
 def torch_state(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
     """Model component `name` as a diffusers/transformers state dict (torch keys and layouts; views, not copies)."""
     return weights.to_torch_keys(read_arrays(folder, name, spec=spec))
@@ -363,13 +309,13 @@ def building_folder(out: str | os.PathLike, *, overwrite: bool = False) -> Itera
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
-        os.chmod(tmp, 0o777 & ~weights._UMASK)  # mkdtemp makes 0700
+        os.chmod(tmp, io.default_mode(folder=True))  # mkdtemp makes 0700
     except OSError as e:
         raise SdxError(f"cannot create {out}: {e.strerror or e}") from None
     old = None
     try:
         yield tmp
-        weights._fsync_dir(tmp)
+        io.fsync_dir(tmp)
         if out.exists():
             if any(out.iterdir()):
                 old = Path(tempfile.mkdtemp(prefix=f"{out.name}.old-", dir=out.parent))
@@ -383,7 +329,7 @@ def building_folder(out: str | os.PathLike, *, overwrite: bool = False) -> Itera
             if old is not None:
                 os.rename(old, out)
             raise SdxError(f"cannot move the finished folder into place at {out}: {e.strerror or e}") from None
-        weights._fsync_dir(out.parent)
+        io.fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -438,7 +384,7 @@ def write_model_folder(
             file = f"{name}.safetensors"
             items = [(k, weights.lazy_cast(part.arrays[k], cast)) for k in sorted(part.arrays)]
             try:
-                weights.write_safetensors(
+                io.write_safetensors(
                     tmp / file, items,
                     metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION), "component": name, "dtype": dtype},
                 )
@@ -460,11 +406,9 @@ def write_model_folder(
             "format": FORMAT, "format_version": FORMAT_VERSION, "pipeline_class": pipeline_class,
             "dtype": dtype, "components": comps, "extra": dict(extra or {}),
         }
-        weights.atomic_write_json(tmp / SPEC_FILE, spec)
+        io.atomic_write_json(tmp / SPEC_FILE, spec)
     log(f"wrote {out} ({pipeline_class}, {dtype})")
     return out
-
-
 
 
 def resave(src: str | os.PathLike, out: str | os.PathLike, *, dtype: str, overwrite: bool = False, log=None) -> Path:

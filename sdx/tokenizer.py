@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import gzip
 import json
+import types
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
-from sdx import weights
+from sdx import io
 from sdx.errors import SdxError
 
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
@@ -55,19 +56,20 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 @functools.lru_cache(maxsize=1)
-def builtin_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
+def builtin_vocab() -> tuple[Mapping[str, int], tuple[tuple[str, str], ...]]:
     """CLIP's vocabulary (49408 entries) and BPE merges, built like OpenAI CLIP's SimpleTokenizer.
 
     The 256 byte characters, the same with `</w>`, one entry per merge for the first 49152-256-2
     merges of bpe_simple_vocab_16e6.txt.gz (its first line is a header), then BOS and EOS. This is
-    the vocab.json / merges.txt that openai/clip-vit-large-patch14 and the SD repos ship.
+    the vocab.json / merges.txt that openai/clip-vit-large-patch14 and the SD repos ship. Both are
+    read-only (a mapping proxy and tuples): the cached values are shared by every caller.
     """
     data = resources.files("sdx").joinpath("assets/bpe_simple_vocab_16e6.txt.gz").read_bytes()
     lines = gzip.decompress(data).decode("utf-8").split("\n")
     merges = [tuple(line.split()) for line in lines[1 : 49152 - 256 - 2 + 1]]
     chars = list(_bytes_to_unicode().values())
     tokens = chars + [c + "</w>" for c in chars] + ["".join(m) for m in merges] + [BOS, EOS]
-    return {t: i for i, t in enumerate(tokens)}, merges  # type: ignore[return-value]
+    return types.MappingProxyType({t: i for i, t in enumerate(tokens)}), tuple(merges)
 
 
 def _added_token(value: Any, *, special: bool | None = None) -> AddedToken | str:
@@ -203,11 +205,11 @@ class CLIPTokenizer:
         p = Path(path)
         if not p.is_dir():
             raise SdxError(f"tokenizer folder {p} does not exist or is not a folder")
-        config = weights.read_json(p / "tokenizer_config.json", optional=True) or {}
+        config = io.read_json(p / "tokenizer_config.json", optional=True) or {}
         if (p / "added_tokens.json").exists():
             raise SdxError(f"{p / 'added_tokens.json'}: added_tokens.json is not supported; save the tokenizer with transformers >= 4.34")
-        special_map = weights.read_json(p / "special_tokens_map.json", optional=True)
-        tj = weights.read_json(p / "tokenizer.json", optional=True)
+        special_map = io.read_json(p / "special_tokens_map.json", optional=True)
+        tj = io.read_json(p / "tokenizer.json", optional=True)
         if tj is not None:
             model = tj.get("model") or {}
             if model.get("type", "BPE") != "BPE" or not isinstance(model.get("vocab"), dict):
@@ -216,7 +218,7 @@ class CLIPTokenizer:
             merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
             json_added = tj.get("added_tokens") or []
         elif (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
-            vocab = weights.read_json(p / "vocab.json", optional=True)
+            vocab = io.read_json(p / "vocab.json", optional=True)
             merges = _read_merges(p / "merges.txt")
             json_added = None
         else:
@@ -316,7 +318,7 @@ def write_builtin_folder(path: str | Path, pad_token: str = EOS) -> Path:
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     vocab, merges = builtin_vocab()
-    (p / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (p / "vocab.json").write_text(json.dumps(dict(vocab), ensure_ascii=False), encoding="utf-8")
     (p / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n", encoding="utf-8")
     (p / "tokenizer_config.json").write_text(json.dumps(builtin_tokenizer_config(pad_token), indent=2) + "\n", encoding="utf-8")
     special = {"bos_token": BOS, "eos_token": EOS, "pad_token": pad_token, "unk_token": EOS}

@@ -6,22 +6,13 @@ maps a flat `{torch_key: array}` onto those paths strictly (every source tensor 
 parameter filled, every shape checked), `to_torch_keys` is its inverse (for exporting), and
 `materialize` puts the arrays on the device(s) and returns the live module.
 
-The safetensors reader here memory-maps the file and hands out numpy views: a tensor's bytes are read
-only when it is cast, sliced for a device shard or written elsewhere, so a 10 GB UNet never sits in host
-memory at once. It checks the header strictly (a truncated or corrupt file names its first bad tensor).
-The writer streams one tensor at a time to a temporary name and renames it into place.
+Reading and writing files (safetensors, JSON) is `sdx.io`'s job; the arrays here are whatever it
+handed out (memory-mapped views), so nothing is copied before it is cast or sliced for a device.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
-import struct
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -254,205 +245,7 @@ def dtype_name(dtype) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# safetensors, memory-mapped
-#
-# Format: 8 bytes little-endian header length N, N bytes of JSON {key: {dtype, shape, data_offsets:
-# [begin, end]}, "__metadata__": {str: str}}, then the data; offsets are relative to the end of the
-# header, tensors are C-contiguous little-endian and together cover the data exactly.
-
-_ST_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
-    "BOOL": np.dtype("?"),
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit
-
-
-def _read_header(path: Path) -> tuple[dict, int, int]:
-    """(header dict, data start, file size), checked against the file size."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise SdxError(f"{path}: not a safetensors file ({size} bytes, too short for a header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise SdxError(
-                    f"{path}: truncated or not a safetensors file (header of {n} bytes, file of {size} bytes)"
-                )
-            raw = f.read(n)
-    except OSError as e:
-        raise SdxError(f"{path}: cannot read ({e.strerror or e})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise SdxError(f"{path}: corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise SdxError(f"{path}: corrupt safetensors header (not a JSON object)")
-    return header, 8 + n, size
-
-
-def read_safetensors_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The `__metadata__` string map of a safetensors file (empty if none)."""
-    header, _, _ = _read_header(Path(path))
-    meta = header.get("__metadata__") or {}
-    return dict(meta) if isinstance(meta, dict) else {}
-
-
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """{key: read-only numpy view into a memory map of `path`}, every entry checked against the file.
-
-    A truncated file, a tensor whose byte range does not match its dtype and shape, overlapping or
-    missing data, or an unknown dtype is an SdxError naming the file and the key.
-    """
-    path = Path(path)
-    header, start, size = _read_header(path)
-    entries = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise SdxError(f"{path}: corrupt safetensors header entry for tensor {key!r}") from None
-        if dtype not in _ST_DTYPES:
-            raise SdxError(f"{path}: tensor {key!r} has dtype {dtype}, which sdx does not read")
-        nbytes = math.prod(shape) * _ST_DTYPES[dtype].itemsize
-        if end - begin != nbytes or begin < 0:
-            raise SdxError(
-                f"{path}: tensor {key!r} ({dtype} {list(shape)}) needs {nbytes} bytes but its header gives {end - begin}"
-            )
-        if start + end > size:
-            raise SdxError(
-                f"{path}: truncated file: tensor {key!r} ends at byte {start + end} but the file has {size} bytes"
-            )
-        entries.append((begin, end, key, dtype, shape))
-    entries.sort()
-    cursor = 0
-    for begin, end, key, _, _ in entries:
-        if begin != cursor:
-            raise SdxError(f"{path}: corrupt safetensors file: tensor {key!r} starts at {begin}, expected {cursor}")
-        cursor = end
-    if start + cursor != size:
-        raise SdxError(f"{path}: corrupt safetensors file: {size - start - cursor} trailing bytes after the last tensor")
-    if not entries:
-        return {}
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(cursor,)) if cursor else None
-    out: dict[str, np.ndarray] = {}
-    for begin, end, key, dtype, shape in sorted(entries, key=lambda e: e[2]):
-        if end == begin:
-            out[key] = np.zeros(shape, _ST_DTYPES[dtype])
-        else:
-            out[key] = mm[begin:end].view(_ST_DTYPES[dtype]).reshape(shape)
-    return out
-
-
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[object], None]) -> None:
-    """Call `write(binary_file)` on a temporary file next to `path`, fsync it, rename it to `path`."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the mode open() would
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def write_safetensors(
-    path: str | os.PathLike,
-    tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]],
-    *,
-    metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write `tensors` as safetensors, atomically, streaming one tensor at a time (each made contiguous
-    little-endian only while it is written). Readable by the safetensors library, torch and diffusers."""
-    items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for key, array in items:
-        if key in header:
-            raise SdxError(f"{path}: tensor {key!r} given twice")
-        dtype = np.dtype(array.dtype).newbyteorder("<") if np.dtype(array.dtype).byteorder == ">" else np.dtype(array.dtype)
-        if dtype not in _ST_NAMES:
-            raise SdxError(f"{path}: tensor {key!r} has dtype {array.dtype}, which safetensors cannot store")
-        nbytes = math.prod(array.shape) * dtype.itemsize
-        header[key] = {"dtype": _ST_NAMES[dtype], "shape": list(array.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-
-    def write(f):
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, array in items:
-            a = np.ascontiguousarray(array)
-            if a.dtype.byteorder == ">":
-                a = a.astype(a.dtype.newbyteorder("<"))
-            f.write(memoryview(a.reshape(-1).view(np.uint8)))
-
-    atomic_write(path, write)
-
-
-def read_json(path: str | os.PathLike, *, optional: bool = False, obj: bool = False) -> Any:
-    """The JSON at `path`. optional: None when there is no such file (else an error); obj: it must be a
-    JSON object. Every failure is one SdxError naming the file."""
-    path = Path(path)
-    if optional and not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SdxError(f"{path}: missing") from None
-    except json.JSONDecodeError as e:
-        raise SdxError(f"{path}: not valid JSON ({e})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SdxError(f"{path}: cannot read ({e})") from None
-    if obj and not isinstance(data, dict):
-        raise SdxError(f"{path}: not a JSON object")
-    return data
-
-
-def atomic_write_json(path: str | os.PathLike, data: Any, *, sort_keys: bool = False) -> None:
-    """`data` as indented JSON at `path`, atomically (numpy scalars as numbers, tuples and sets as lists)."""
-    text = json.dumps(data, indent=2, sort_keys=sort_keys, default=_json_default) + "\n"
-    atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def _json_default(value):
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    if isinstance(value, (tuple, set)):
-        return list(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+# Casting on the way out
 
 
 class _LazyCast:
@@ -467,7 +260,7 @@ class _LazyCast:
 
 
 def lazy_cast(array, dtype: np.dtype):
-    """`array` as `dtype` for `write_safetensors`, converted when written; integer tensors stay as they are."""
+    """`array` as `dtype` for `sdx.io.write_safetensors`, converted when written; integer tensors stay as they are."""
     if not is_float(array.dtype) or np.dtype(array.dtype) == np.dtype(dtype):
         return array
     return _LazyCast(array, dtype)

@@ -88,7 +88,7 @@ def test_sdxl_folder_reproduces_diffusers(sdxl, sdxl_out):
         for f in (sdxl / tok).iterdir():
             assert (sdxl_out / tok / f.name).read_bytes() == f.read_bytes()
 
-    pipe = model_folder.load_pipeline(sdxl_out)
+    models = {n: model_folder.load_component(sdxl_out, n) for n in ("unet", "vae", "text_encoder", "text_encoder_2")}
     rng = np.random.default_rng(0)
 
     ids = np.asarray(rng.integers(0, 49408, (2, 77)))
@@ -97,7 +97,7 @@ def test_sdxl_folder_reproduces_diffusers(sdxl, sdxl_out):
         ref_model = getattr(transformers, arch).from_pretrained(sdxl / name).eval()
         with torch.no_grad():
             ref = ref_model(torch.tensor(ids), output_hidden_states=True)
-        out = nnx.jit(lambda m, i: m(i))(pipe.models[name], jnp.asarray(ids, jnp.int32))
+        out = nnx.jit(lambda m, i: m(i))(models[name], jnp.asarray(ids, jnp.int32))
         assert len(out.hidden_states) == len(ref.hidden_states)
         for ours, theirs in zip(out.hidden_states, ref.hidden_states, strict=True):
             np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), atol=1e-4, rtol=1e-4)
@@ -117,7 +117,7 @@ def test_sdxl_folder_reproduces_diffusers(sdxl, sdxl_out):
             added_cond_kwargs={"text_embeds": torch.tensor(text, dtype=torch.float32), "time_ids": torch.tensor(time_ids)},
         ).sample.numpy()
     out = nnx.jit(lambda m, *a: m(*a))(
-        pipe.models["unet"], jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray([700.0]), jnp.asarray(ctx),
+        models["unet"], jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray([700.0]), jnp.asarray(ctx),
         {"text_embeds": jnp.asarray(text, jnp.float32), "time_ids": jnp.asarray(time_ids)},
     )
     np.testing.assert_allclose(np.asarray(out).transpose(0, 3, 1, 2), ref, atol=2e-4, rtol=1e-4)
@@ -126,7 +126,7 @@ def test_sdxl_folder_reproduces_diffusers(sdxl, sdxl_out):
     z = rng.standard_normal((1, 4, 4, 4)).astype(np.float32)
     with torch.no_grad():
         ref = vae.decode(torch.tensor(z)).sample.numpy()
-    out = nnx.jit(lambda m, z: m.decode(z))(pipe.models["vae"], jnp.asarray(z.transpose(0, 2, 3, 1)))
+    out = nnx.jit(lambda m, z: m.decode(z))(models["vae"], jnp.asarray(z.transpose(0, 2, 3, 1)))
     np.testing.assert_allclose(np.asarray(out).transpose(0, 3, 1, 2), ref, atol=2e-4, rtol=1e-4)
 
 

@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 from convert import cli, hub
 from convert.sdx_folder import read_sdx_folder
 from sdx import model_folder
-from sdx.weights import read_safetensors
+from sdx.io import read_safetensors
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")

@@ -1,4 +1,4 @@
-"""The sdx model folder (sdx/model_folder.py) and the weight I/O under it (sdx/weights.py).
+"""The sdx model folder (sdx/model_folder.py) and the file I/O under it (sdx/io.py).
 
 No torch here: folders are written from random arrays shaped by the `tiny` preset's abstract models.
 """
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sdx import model_folder, presets, weights
+from sdx import io, model_folder, presets, weights
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -100,21 +100,30 @@ def test_load_component_as_stored_cast_and_placed(tiny):
         np.testing.assert_array_equal(np.asarray(v), stored[k])
 
 
-def test_load_pipeline(tiny):
+def test_folder_parts(tiny):
+    """Configs, tokenizers and the scheduler config come back as written; a missing component is named."""
     from sdx.tokenizer import CLIPTokenizer
 
-    pipe = model_folder.load_pipeline(tiny, models=("text_encoder", "vae"))
-    assert pipe.pipeline_class == "StableDiffusionPipeline"
-    assert set(pipe.models) == {"text_encoder", "vae"}
-    assert set(pipe.configs) == {"unet", "vae", "text_encoder"}
-    assert pipe.configs["unet"] == model_folder.MODEL_KINDS["unet"].config_from_diffusers(presets.get("tiny").configs["unet"])
-    assert isinstance(pipe.tokenizers["tokenizer"], CLIPTokenizer)
-    assert pipe.scheduler_config == presets.get("tiny").configs["scheduler"]
-    assert pipe.dtype == "float32"
-    ids = jnp.zeros((1, 77), jnp.int32)
-    assert pipe.models["text_encoder"](ids).last_hidden_state.shape == (1, 77, 32)
-    with pytest.raises(SdxError, match="no model component"):
-        model_folder.load_pipeline(tiny, models=("text_encoder_2",))
+    spec = model_folder.read_spec(tiny)
+    assert spec["pipeline_class"] == "StableDiffusionPipeline" and spec["dtype"] == "float32"
+    for name in ("unet", "vae", "text_encoder"):
+        want = model_folder.MODEL_KINDS[name].config_from_diffusers(presets.get("tiny").configs[name])
+        assert model_folder.model_config(tiny, name, spec=spec) == want
+    assert isinstance(model_folder.load_tokenizer(tiny, spec=spec), CLIPTokenizer)
+    assert model_folder.scheduler_config(tiny, spec=spec) == presets.get("tiny").configs["scheduler"]
+    te = model_folder.load_component(tiny, "text_encoder", spec=spec)
+    assert te(jnp.zeros((1, 77), jnp.int32)).last_hidden_state.shape == (1, 77, 32)
+    with pytest.raises(SdxError, match="no component 'text_encoder_2'"):
+        model_folder.load_component(tiny, "text_encoder_2", spec=spec)
+
+
+def test_param_shapes_are_shared_read_only():
+    kind = model_folder.MODEL_KINDS["vae"]
+    config = kind.config_from_diffusers(presets.get("tiny").configs["vae"])
+    shapes = kind.param_shapes(config)
+    assert shapes is kind.param_shapes(config)
+    with pytest.raises(TypeError):
+        shapes["quant_conv.bias"] = (1,)
 
 
 def test_sharded_load_over_fake_devices(tiny):
@@ -145,9 +154,9 @@ def test_sharded_load_over_fake_devices(tiny):
 
 def _edit_file(folder: Path, name: str, edit) -> Path:
     path = folder / f"{name}.safetensors"
-    arrays = {k: np.array(v) for k, v in weights.read_safetensors(path).items()}
+    arrays = {k: np.array(v) for k, v in io.read_safetensors(path).items()}
     edit(arrays)
-    weights.write_safetensors(path, arrays, metadata={"component": name})
+    io.write_safetensors(path, arrays, metadata={"component": name})
     return path
 
 
@@ -200,8 +209,8 @@ def test_write_is_atomic_and_strict(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name == "out" or p.name.startswith("out.")]
     good = _random_parts("tiny")
     out = _write(tmp_path / "out", models=good, dtype="float16")
-    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~weights._UMASK)
-    assert oct((out / "unet.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~weights._UMASK)
+    assert oct(out.stat().st_mode & 0o777) == oct(io.default_mode(folder=True))
+    assert oct((out / "unet.safetensors").stat().st_mode & 0o777) == oct(io.default_mode())
     with pytest.raises(SdxError, match="not empty"):
         _write(tmp_path / "out", models=good)
 
@@ -291,7 +300,7 @@ def test_safetensors_io_matches_the_library(tmp_path):
         "c": np.array([1, 2], np.int64), "d": np.full((), 3.0, np.float16), "e": np.zeros((0, 3), np.float32),
         "t": np.arange(6, dtype=np.float32).reshape(2, 3).T,  # not contiguous
     }
-    weights.write_safetensors(tmp_path / "ours.safetensors", tensors, metadata={"component": "x"})
+    io.write_safetensors(tmp_path / "ours.safetensors", tensors, metadata={"component": "x"})
     with safe_open(tmp_path / "ours.safetensors", framework="numpy") as f:
         assert f.metadata() == {"component": "x"}
         for k, v in tensors.items():
@@ -299,12 +308,12 @@ def test_safetensors_io_matches_the_library(tmp_path):
             assert f.get_tensor(k).dtype == v.dtype
     save_file({k: v.copy(order="C") for k, v in tensors.items()}, tmp_path / "lib.safetensors")
     for path in (tmp_path / "ours.safetensors", tmp_path / "lib.safetensors"):
-        got = weights.read_safetensors(path)
+        got = io.read_safetensors(path)
         assert set(got) == set(tensors)
         for k, v in tensors.items():
             np.testing.assert_array_equal(got[k], v)
             assert got[k].dtype == v.dtype and got[k].shape == v.shape
-    assert weights.read_safetensors_metadata(tmp_path / "ours.safetensors") == {"component": "x"}
+    assert io.read_safetensors_metadata(tmp_path / "ours.safetensors") == {"component": "x"}
 
     data = (tmp_path / "lib.safetensors").read_bytes()
     bad = tmp_path / "bad.safetensors"
@@ -317,5 +326,5 @@ def test_safetensors_io_matches_the_library(tmp_path):
     ]:
         bad.write_bytes(blob)
         with pytest.raises(SdxError, match=words) as info:
-            weights.read_safetensors(bad)
+            io.read_safetensors(bad)
         assert str(bad) in str(info.value)

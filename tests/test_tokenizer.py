@@ -62,6 +62,8 @@ def test_builtin_vocabulary_is_clips():
     vocab, merges = builtin_vocab()
     assert len(vocab) == 49408 and len(merges) == 48894
     assert vocab["!"] == 0 and vocab["!</w>"] == 256 and vocab["<|startoftext|>"] == 49406 and vocab[EOS] == 49407
+    with pytest.raises(TypeError):  # cached and shared: read-only
+        vocab["!"] = 1
     # Ids of openai/clip-vit-large-patch14's tokenizer for a well-known prompt.
     ids = CLIPTokenizer.builtin()(["a photo of a cat"])[0]
     assert ids[:7].tolist() == [49406, 320, 1125, 539, 320, 2368, 49407] and (ids[7:] == 49407).all()
