@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from sdx.attention import dot_product_attention
-from sdx import presets
+from sdx import diffusers_config, presets
 from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import F32, Compute, LayerNorm, linear
@@ -36,7 +36,6 @@ from sdx.layers import F32, Compute, LayerNorm, linear
 # transformers' ACT2FN names we implement. quick_gelu is x*sigmoid(1.702x) (OpenAI CLIP); gelu is the
 # exact erf form (torch's nn.GELU(), which OpenCLIP used).
 ACTIVATIONS = ("quick_gelu", "gelu")
-ARCHITECTURES = {"CLIPTextModel": False, "CLIPTextModelWithProjection": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,38 +82,9 @@ class TextEncoderConfig(JsonConfig):
 
     @classmethod
     def from_diffusers_config(cls, d: Mapping[str, Any]) -> TextEncoderConfig:
-        """From a transformers `config.json` of CLIPTextModel / CLIPTextModelWithProjection.
-
-        `architectures` decides `with_projection` (absent: CLIPTextModel, as transformers' own
-        default class; a projection in the weights then fails the strict loader by name). Missing
-        fields take transformers' `CLIPTextConfig` defaults, as transformers would. Fields that do
-        not change inference (dropout, initializer_*, torch_dtype, ...) are ignored.
-        """
-        archs = d.get("architectures") or ["CLIPTextModel"]
-        if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-            raise SdxError(
-                f"text encoder config: architectures={archs!r} is not supported; sdx reads "
-                f"{' or '.join(ARCHITECTURES)} (a full CLIPModel config has them under text_config)"
-            )
-        model_type = d.get("model_type", "clip_text_model")
-        if model_type != "clip_text_model":
-            raise SdxError(f"text encoder config: model_type={model_type!r} is not 'clip_text_model'")
-        get = lambda k: d.get(k, _TRANSFORMERS_DEFAULTS[k])  # noqa: E731
-        return cls(
-            vocab_size=int(get("vocab_size")),
-            hidden_size=int(get("hidden_size")),
-            intermediate_size=int(get("intermediate_size")),
-            num_hidden_layers=int(get("num_hidden_layers")),
-            num_attention_heads=int(get("num_attention_heads")),
-            max_position_embeddings=int(get("max_position_embeddings")),
-            hidden_act=str(get("hidden_act")),
-            layer_norm_eps=float(get("layer_norm_eps")),
-            projection_dim=int(get("projection_dim")),
-            with_projection=ARCHITECTURES[archs[0]],
-            eos_token_id=int(get("eos_token_id")),
-            bos_token_id=int(get("bos_token_id")),
-            pad_token_id=int(get("pad_token_id")),
-        )
+        """From a transformers `config.json` of CLIPTextModel / CLIPTextModelWithProjection (missing
+        fields take transformers' defaults; the rules for every field are `sdx.diffusers_config`'s)."""
+        return cls(**diffusers_config.text_encoder_fields(d))
 
     @classmethod
     def preset(cls, name: str, component: str = "text_encoder") -> TextEncoderConfig:
@@ -128,17 +98,8 @@ class TextEncoderConfig(JsonConfig):
 
     def to_diffusers_config(self) -> dict[str, Any]:
         """A transformers `config.json` for this architecture (for writing the diffusers layout)."""
-        d = {k: v for k, v in self.to_dict().items() if k != "with_projection"}
-        arch = "CLIPTextModelWithProjection" if self.with_projection else "CLIPTextModel"
-        return {"architectures": [arch], "model_type": "clip_text_model", **d}
+        return diffusers_config.text_encoder_to_transformers(self.to_dict())
 
-
-# transformers.CLIPTextConfig's __init__ defaults (transformers 5.23), used for absent fields.
-_TRANSFORMERS_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=49408, hidden_size=512, intermediate_size=2048, projection_dim=512, num_hidden_layers=12,
-    num_attention_heads=8, max_position_embeddings=77, hidden_act="quick_gelu", layer_norm_eps=1e-5,
-    pad_token_id=1, bos_token_id=49406, eos_token_id=49407,
-)
 
 class CLIPTextOutput(NamedTuple):
     """What the encoder returns (a pytree, so it leaves `jax.jit` as is).

@@ -13,12 +13,14 @@ from typing import Any, ClassVar
 from sdx.errors import SdxError
 
 
-def _plain(v):
-    return [_plain(x) for x in v] if isinstance(v, (tuple, list)) else v
+def plain(v):
+    """`v` with every tuple (nested too) as a list: what JSON holds."""
+    return [plain(x) for x in v] if isinstance(v, (tuple, list)) else v
 
 
-def _frozen(v):
-    return tuple(_frozen(x) for x in v) if isinstance(v, (tuple, list)) else v
+def frozen(v):
+    """`v` with every list (nested too) as a tuple: hashable, for a frozen dataclass field."""
+    return tuple(frozen(x) for x in v) if isinstance(v, (tuple, list)) else v
 
 
 class JsonConfig:
@@ -28,11 +30,11 @@ class JsonConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: field name -> value, tuples as lists; `from_dict` reads it back."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]):
         unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise SdxError(f"{cls.label}: unknown field(s) {', '.join(unknown)} in the sdx config")
-        return cls(**{k: _frozen(v) for k, v in d.items()})
+        return cls(**{k: frozen(v) for k, v in d.items()})

@@ -12,7 +12,8 @@ value spelled out as a tuple, and one rename that undoes a diffusers naming acci
   sdx stores it as `num_attention_heads`. SD1: 8 heads of 40/80/160; SD2/SDXL: 64-wide heads.
 
 `UNetConfig.from_diffusers_config(config_json_dict)` honours every field that changes the math and
-raises `SdxError` naming the field for any value sdx does not implement (never a silent default).
+raises `SdxError` naming the field for any value sdx does not implement (never a silent default); the
+rules for every field of diffusers' file are in `sdx.diffusers_config`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sdx import presets
+from sdx import diffusers_config, presets
 from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import (
@@ -52,106 +53,6 @@ LayerCounts = int | tuple[int, ...]  # transformer layers of one level: one numb
 # --------------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------------
-
-# diffusers 0.42 UNet2DConditionModel.__init__ defaults (tests check this table against diffusers).
-DIFFUSERS_DEFAULTS: dict[str, Any] = {
-    "sample_size": None,
-    "in_channels": 4,
-    "out_channels": 4,
-    "center_input_sample": False,
-    "flip_sin_to_cos": True,
-    "freq_shift": 0,
-    "down_block_types": (CROSS_DOWN, CROSS_DOWN, CROSS_DOWN, PLAIN_DOWN),
-    "mid_block_type": CROSS_MID,
-    "up_block_types": (PLAIN_UP, CROSS_UP, CROSS_UP, CROSS_UP),
-    "only_cross_attention": False,
-    "block_out_channels": (320, 640, 1280, 1280),
-    "layers_per_block": 2,
-    "downsample_padding": 1,
-    "mid_block_scale_factor": 1,
-    "dropout": 0.0,
-    "act_fn": "silu",
-    "norm_num_groups": 32,
-    "norm_eps": 1e-05,
-    "cross_attention_dim": 1280,
-    "transformer_layers_per_block": 1,
-    "reverse_transformer_layers_per_block": None,
-    "encoder_hid_dim": None,
-    "encoder_hid_dim_type": None,
-    "attention_head_dim": 8,
-    "num_attention_heads": None,
-    "dual_cross_attention": False,
-    "use_linear_projection": False,
-    "class_embed_type": None,
-    "addition_embed_type": None,
-    "addition_time_embed_dim": None,
-    "num_class_embeds": None,
-    "upcast_attention": False,
-    "resnet_time_scale_shift": "default",
-    "resnet_skip_time_act": False,
-    "resnet_out_scale_factor": 1.0,
-    "time_embedding_type": "positional",
-    "time_embedding_dim": None,
-    "time_embedding_act_fn": None,
-    "timestep_post_act": None,
-    "time_cond_proj_dim": None,
-    "conv_in_kernel": 3,
-    "conv_out_kernel": 3,
-    "projection_class_embeddings_input_dim": None,
-    "attention_type": "default",
-    "class_embeddings_concat": False,
-    "mid_block_only_cross_attention": None,
-    "cross_attention_norm": None,
-    "addition_embed_type_num_heads": 64,
-}
-
-# Fields whose value cannot change the math of the blocks sdx builds: they only configure block types
-# sdx rejects anyway (ResnetDownsampleBlock2D, SimpleCrossAttn*, the "text" added embedding).
-_INERT_FIELDS = (
-    "resnet_skip_time_act",
-    "resnet_out_scale_factor",
-    "cross_attention_norm",
-    "mid_block_only_cross_attention",
-    "addition_embed_type_num_heads",
-)
-
-# Fields with the only value(s) sdx implements. Anything else changes the math and is refused.
-_FIXED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "act_fn": ("silu", "swish"),
-    "dropout": (0, 0.0),
-    "resnet_time_scale_shift": ("default",),
-    "time_embedding_type": ("positional",),
-    "time_embedding_act_fn": (None,),
-    "timestep_post_act": (None,),
-    "time_cond_proj_dim": (None,),
-    "class_embed_type": (None,),
-    "num_class_embeds": (None,),
-    "class_embeddings_concat": (False,),
-    "encoder_hid_dim": (None,),
-    "encoder_hid_dim_type": (None,),
-    "attention_type": ("default",),
-    "dual_cross_attention": (False,),
-    "num_attention_heads": (None,),  # diffusers itself refuses it (the naming issue above)
-}
-
-
-def _per_level(name: str, value, n: int, kind) -> tuple:
-    """diffusers' `int or list` fields as an n-tuple; a list of the wrong length names the field."""
-    if isinstance(value, (list, tuple)):
-        if len(value) != n:
-            raise SdxError(
-                f"unet config: {name} has {len(value)} entries but there are {n} levels (block_out_channels)"
-            )
-        return tuple(kind(v) for v in value)
-    return (kind(value),) * n
-
-
-def _layer_counts(name: str, value) -> LayerCounts:
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    if value is None:
-        raise SdxError(f"unet config: {name} has a null entry")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,114 +216,13 @@ class UNetConfig(JsonConfig):
 
     @classmethod
     def from_diffusers_config(cls, d: Mapping[str, Any]) -> UNetConfig:
-        """From a diffusers `unet/config.json` dict (missing fields take diffusers' defaults)."""
-        class_name = d.get("_class_name")
-        if class_name not in (None, "UNet2DConditionModel", "FlaxUNet2DConditionModel"):
-            raise SdxError(f"unet config: _class_name {class_name!r} is not a UNet2DConditionModel")
-        unknown = sorted(k for k in d if not k.startswith("_") and k not in DIFFUSERS_DEFAULTS)
-        if unknown:
-            raise SdxError(
-                f"unet config: unknown field(s) {', '.join(unknown)}; sdx cannot tell whether they change the "
-                "model (written by a newer diffusers?)"
-            )
-        f = {**DIFFUSERS_DEFAULTS, **{k: v for k, v in d.items() if not k.startswith("_")}}
-        for name, allowed in _FIXED_FIELDS.items():
-            if f[name] not in allowed:
-                raise SdxError(
-                    f"unet config: {name}={f[name]!r} is not implemented in sdx "
-                    f"(supported: {', '.join(repr(a) for a in allowed)})"
-                )
-        if f["norm_num_groups"] is None:
-            raise SdxError("unet config: norm_num_groups=None (no output norm) is not implemented in sdx")
-        boc = tuple(int(c) for c in f["block_out_channels"])
-        n = len(boc)
-        strip = lambda t: t[7:] if isinstance(t, str) and t.startswith("UNetRes") else t  # diffusers' alias
-        heads = f["attention_head_dim"]
-        if heads is None or (isinstance(heads, (list, tuple)) and any(h is None for h in heads)):
-            raise SdxError("unet config: attention_head_dim=None is not implemented (heads must be given per level)")
-        tlpb = f["transformer_layers_per_block"]
-        if isinstance(tlpb, (list, tuple)):
-            tlpb = tuple(_layer_counts("transformer_layers_per_block", v) for v in tlpb)
-        else:
-            tlpb = (int(tlpb),) * n
-        if len(tlpb) != n:
-            raise SdxError(
-                f"unet config: transformer_layers_per_block has {len(tlpb)} entries but there are {n} levels"
-            )
-        rev = f["reverse_transformer_layers_per_block"]
-        if rev is not None:
-            rev = tuple(_layer_counts("reverse_transformer_layers_per_block", v) for v in rev)
-        upcast = f["upcast_attention"]
-        return cls(
-            in_channels=int(f["in_channels"]),
-            out_channels=int(f["out_channels"]),
-            block_out_channels=boc,
-            down_block_types=tuple(strip(t) for t in f["down_block_types"]),
-            up_block_types=tuple(strip(t) for t in f["up_block_types"]),
-            mid_block_type=f["mid_block_type"],
-            layers_per_block=_per_level("layers_per_block", f["layers_per_block"], n, int),
-            transformer_layers_per_block=tlpb,
-            reverse_transformer_layers_per_block=rev,
-            num_attention_heads=_per_level("attention_head_dim", heads, n, int),
-            cross_attention_dim=_per_level("cross_attention_dim", f["cross_attention_dim"], n, int),
-            only_cross_attention=_per_level("only_cross_attention", f["only_cross_attention"], n, bool),
-            use_linear_projection=bool(f["use_linear_projection"]),
-            upcast_attention=bool(upcast),
-            norm_num_groups=int(f["norm_num_groups"]),
-            norm_eps=float(f["norm_eps"]),
-            downsample_padding=int(f["downsample_padding"]),
-            mid_block_scale_factor=float(f["mid_block_scale_factor"]),
-            center_input_sample=bool(f["center_input_sample"]),
-            conv_in_kernel=int(f["conv_in_kernel"]),
-            conv_out_kernel=int(f["conv_out_kernel"]),
-            flip_sin_to_cos=bool(f["flip_sin_to_cos"]),
-            freq_shift=f["freq_shift"],
-            time_embedding_dim=f["time_embedding_dim"],
-            addition_embed_type=f["addition_embed_type"],
-            addition_time_embed_dim=f["addition_time_embed_dim"],
-            projection_class_embeddings_input_dim=f["projection_class_embeddings_input_dim"],
-            sample_size=tuple(f["sample_size"]) if isinstance(f["sample_size"], (list, tuple)) else f["sample_size"],
-        )
+        """From a diffusers `unet/config.json` dict (missing fields take diffusers' defaults; the rules
+        for every field are `sdx.diffusers_config`'s)."""
+        return cls(**diffusers_config.unet_fields(d))
 
     def to_diffusers_config(self) -> dict[str, Any]:
         """A complete diffusers `unet/config.json` dict (`UNet2DConditionModel(**d)` accepts it without `_` keys)."""
-        lists = lambda xs: [list(x) if isinstance(x, tuple) else x for x in xs]
-        d = dict(DIFFUSERS_DEFAULTS)
-        d.update(
-            in_channels=self.in_channels,
-            out_channels=self.out_channels,
-            block_out_channels=list(self.block_out_channels),
-            down_block_types=list(self.down_block_types),
-            up_block_types=list(self.up_block_types),
-            mid_block_type=self.mid_block_type,
-            layers_per_block=list(self.layers_per_block),
-            transformer_layers_per_block=lists(self.transformer_layers_per_block),
-            reverse_transformer_layers_per_block=(
-                None if self.reverse_transformer_layers_per_block is None
-                else lists(self.reverse_transformer_layers_per_block)
-            ),
-            attention_head_dim=list(self.num_attention_heads),
-            cross_attention_dim=list(self.cross_attention_dim),
-            only_cross_attention=list(self.only_cross_attention),
-            use_linear_projection=self.use_linear_projection,
-            upcast_attention=self.upcast_attention,
-            norm_num_groups=self.norm_num_groups,
-            norm_eps=self.norm_eps,
-            downsample_padding=self.downsample_padding,
-            mid_block_scale_factor=self.mid_block_scale_factor,
-            center_input_sample=self.center_input_sample,
-            conv_in_kernel=self.conv_in_kernel,
-            conv_out_kernel=self.conv_out_kernel,
-            flip_sin_to_cos=self.flip_sin_to_cos,
-            freq_shift=self.freq_shift,
-            time_embedding_dim=self.time_embedding_dim,
-            addition_embed_type=self.addition_embed_type,
-            addition_time_embed_dim=self.addition_time_embed_dim,
-            projection_class_embeddings_input_dim=self.projection_class_embeddings_input_dim,
-            sample_size=list(self.sample_size) if isinstance(self.sample_size, tuple) else self.sample_size,
-        )
-        d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-        return {"_class_name": "UNet2DConditionModel", **d}
+        return diffusers_config.unet_to_diffusers(self.to_dict())
 
     # ---- sdx's own JSON -----------------------------------------------------------------------
 

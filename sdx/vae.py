@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from sdx import presets
+from sdx import diffusers_config, presets
 from sdx.config import JsonConfig
 from sdx.errors import SdxError
 from sdx.layers import F32, Attention, Compute, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv
@@ -97,74 +97,19 @@ class VAEConfig(JsonConfig):
 
     @classmethod
     def from_diffusers_config(cls, d: Mapping[str, Any]) -> VAEConfig:
-        """From a diffusers `vae/config.json` dict. Missing keys take diffusers' defaults; any value
-        that would change the math and that sdx does not implement is an SdxError naming the key."""
-        unknown = sorted(set(d) - set(_DIFFUSERS_DEFAULTS) - _IGNORED_KEYS)
-        if unknown:
-            raise SdxError(f"VAE config: unknown field(s) {', '.join(unknown)}; sdx cannot tell what they change")
-        cfg = {**_DIFFUSERS_DEFAULTS, **d}
-        name = cfg.get("_class_name", "AutoencoderKL")
-        if name != "AutoencoderKL":
-            raise SdxError(f"VAE config: _class_name={name!r} is not implemented; sdx has AutoencoderKL only")
-        if cfg["act_fn"] not in ("silu", "swish"):
-            raise SdxError(f"VAE config: act_fn={cfg['act_fn']!r} is not implemented; sdx's VAE uses silu")
-        for key in ("latents_mean", "latents_std"):
-            if cfg[key] is not None:
-                raise SdxError(f"VAE config: {key} is set (SD3/Flux-style latent normalisation), not implemented")
-        levels = len(cfg["block_out_channels"])
-        for key, want in (("down_block_types", "DownEncoderBlock2D"), ("up_block_types", "UpDecoderBlock2D")):
-            types = list(cfg[key])
-            if any(t != want for t in types):
-                raise SdxError(f"VAE config: {key}={types} is not implemented; sdx builds {want} only")
-            if len(types) != levels:
-                raise SdxError(
-                    f"VAE config: {key} has {len(types)} entries but block_out_channels has {levels}"
-                )
-        fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in cfg.items() if k in fields})
+        """From a diffusers `vae/config.json` dict (missing keys take diffusers' defaults; the rules for
+        every key are `sdx.diffusers_config`'s)."""
+        return cls(**diffusers_config.vae_fields(d))
 
     def to_diffusers_config(self) -> dict[str, Any]:
         """A complete diffusers `vae/config.json` dict (`AutoencoderKL(**d)` accepts it without `_` keys);
         `from_diffusers_config` reads it back to an equal config."""
-        levels = len(self.block_out_channels)
-        d = {
-            **_DIFFUSERS_DEFAULTS,
-            **self.to_dict(),
-            "down_block_types": ["DownEncoderBlock2D"] * levels,
-            "up_block_types": ["UpDecoderBlock2D"] * levels,
-        }
-        d = {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-        return {"_class_name": "AutoencoderKL", **d}
+        return diffusers_config.vae_to_diffusers(self.to_dict())
 
     @classmethod
     def preset(cls, name: str) -> VAEConfig:
         """The VAE of pipeline preset `name` of `sdx.presets` (sd15, sdxl_base, tiny, ...)."""
         return cls.from_diffusers_config(presets.get(name).configs["vae"])
-
-
-# diffusers' AutoencoderKL.__init__ defaults (0.42), used for keys a config.json leaves out.
-_DIFFUSERS_DEFAULTS: dict[str, Any] = {
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D",),
-    "up_block_types": ("UpDecoderBlock2D",),
-    "block_out_channels": (64,),
-    "layers_per_block": 1,
-    "act_fn": "silu",
-    "latent_channels": 4,
-    "norm_num_groups": 32,
-    "sample_size": 32,
-    "scaling_factor": 0.18215,
-    "shift_factor": None,
-    "latents_mean": None,
-    "latents_std": None,
-    "force_upcast": True,
-    "use_quant_conv": True,
-    "use_post_quant_conv": True,
-    "mid_block_add_attention": True,
-}
-# Bookkeeping keys diffusers writes that do not change the math.
-_IGNORED_KEYS = {"_class_name", "_diffusers_version", "_name_or_path", "_use_default_values"}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sdx import clip, weights
+from sdx import clip, diffusers_config as DC, weights
 from sdx.errors import SdxError
 from tests.helpers_text import perturbed_clip, random_ids
 
@@ -228,6 +228,10 @@ def test_config_errors_name_the_field():
         clip.TextEncoderConfig.from_diffusers_config(base | {"model_type": "siglip_text_model"})
     with pytest.raises(SdxError, match="num_attention_heads"):
         clip.TextEncoderConfig.from_diffusers_config(base | {"num_attention_heads": 7})
+    with pytest.raises(SdxError, match="unknown field.*rope_theta"):  # might change the math: refused
+        clip.TextEncoderConfig.from_diffusers_config(base | {"rope_theta": 10000.0})
+    with pytest.raises(SdxError, match="pruned_heads"):
+        clip.TextEncoderConfig.from_diffusers_config(base | {"pruned_heads": {"0": [1]}})
     with pytest.raises(SdxError, match="bogus"):
         clip.TextEncoderConfig.from_dict(clip.TextEncoderConfig.preset("sd15").to_dict() | {"bogus": 1})
     # Missing fields take transformers' CLIPTextConfig defaults, as transformers would.
@@ -235,3 +239,20 @@ def test_config_errors_name_the_field():
     hf = transformers.CLIPTextConfig()
     assert (d.hidden_size, d.num_attention_heads, d.eos_token_id) == (hf.hidden_size, hf.num_attention_heads, hf.eos_token_id)
     assert dataclasses.replace(clip.TextEncoderConfig.preset("sd15")) == clip.TextEncoderConfig.preset("sd15")
+
+
+def test_every_transformers_field_is_accounted_for():
+    """Each key transformers writes for a CLIPTextConfig is honoured, inert, fixed or generic bookkeeping."""
+    import inspect
+
+    params = inspect.signature(transformers.CLIPTextConfig.__init__).parameters
+    ours = {k: p.default for k, p in params.items() if k in DC.TEXT_ENCODER_DEFAULTS}
+    assert ours == DC.TEXT_ENCODER_DEFAULTS
+    honoured = {f.name for f in dataclasses.fields(clip.TextEncoderConfig)} - {"with_projection"} | {"architectures"}
+    assert honoured == set(DC.TEXT_ENCODER_DEFAULTS) | {"architectures"}
+    written = set(transformers.CLIPTextConfig().to_dict()) | set(transformers.PretrainedConfig().to_dict())
+    known = honoured | set(DC.TEXT_ENCODER_INERT) | set(DC.TEXT_ENCODER_FIXED) | DC.TRANSFORMERS_GENERIC
+    assert {k for k in written if not k.startswith("_")} <= known
+    cfg = clip.TextEncoderConfig.preset("sd15")
+    full = transformers.CLIPTextConfig(**cfg.to_diffusers_config()).to_dict()  # every key transformers 5 writes
+    assert clip.TextEncoderConfig.from_diffusers_config(full) == cfg

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sdx import presets, unet as U, weights as W
+from sdx import diffusers_config as DC, presets, unet as U, weights as W
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -253,14 +253,14 @@ HUB = {
 def test_defaults_table_is_diffusers():
     params = inspect.signature(diffusers.UNet2DConditionModel.__init__).parameters
     theirs = {k: p.default for k, p in params.items() if k != "self"}
-    assert U.DIFFUSERS_DEFAULTS == theirs
+    assert DC.UNET_DEFAULTS == theirs
 
 
 def test_every_diffusers_field_is_accounted_for():
     honoured = {f.name for f in dataclasses.fields(U.UNetConfig)} - {"num_attention_heads"} | {"attention_head_dim"}
-    fixed, inert = set(U._FIXED_FIELDS), set(U._INERT_FIELDS)
+    fixed, inert = set(DC.UNET_FIXED), set(DC.UNET_INERT)
     assert not (honoured & fixed) and not (honoured & inert) and not (fixed & inert)
-    assert honoured | fixed | inert == set(U.DIFFUSERS_DEFAULTS) | {"num_attention_heads"}
+    assert honoured | fixed | inert == set(DC.UNET_DEFAULTS) | {"num_attention_heads"}
 
 
 @pytest.mark.parametrize("name", list(HUB))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sdx import weights
+from sdx import diffusers_config as DC, weights
 from sdx.errors import SdxError
 from sdx.layers import Compute
 from sdx.vae import AutoencoderKL, DiagonalGaussian, VAEConfig
@@ -238,10 +238,28 @@ def test_scaling_helpers():
         ({"latents_mean": [0.0] * 4}, "latents_mean"),
         ({"latents_std": [1.0] * 4}, "latents_std"),
         ({"_class_name": "AutoencoderTiny"}, "_class_name"),
-        ({"norm_type": "spatial"}, "norm_type"),
+        ({"norm_type": "spatial"}, "norm_type"),  # a field sdx does not know: it might change the math
         ({"norm_num_groups": 48}, "norm_num_groups"),
     ],
 )
 def test_unimplemented_config_is_an_error(change, field):
     with pytest.raises(SdxError, match=field):
         VAEConfig.from_diffusers_config({**_SD15_CONFIG, **change})
+
+
+def test_every_diffusers_field_is_accounted_for():
+    import inspect
+
+    params = inspect.signature(diffusers.AutoencoderKL.__init__).parameters
+    theirs = {k: p.default for k, p in params.items() if k != "self"}
+    assert {k: list(v) if isinstance(v, tuple) else v for k, v in DC.VAE_DEFAULTS.items()} == {
+        k: list(v) if isinstance(v, tuple) else v for k, v in theirs.items()
+    }
+    honoured, fixed = set(DC.VAE_HONOURED), set(DC.VAE_FIXED) | {"down_block_types", "up_block_types"}
+    assert honoured == {f.name for f in dataclasses.fields(VAEConfig)}
+    assert not honoured & fixed and honoured | fixed == set(theirs)
+
+
+def test_bookkeeping_keys_are_ignored():
+    d = {**_SDXL_CONFIG, "_name_or_path": "/x", "_use_default_values": ["shift_factor"], "_commit_hash": "abc"}
+    assert VAEConfig.from_diffusers_config(d) == VAEConfig.preset("sdxl_base")
