@@ -68,3 +68,12 @@ def check_batch(mesh: Mesh, batch: int) -> None:
         raise SdxError(
             f"a batch of {batch} cannot be split over {devices} devices; use a --batch-size that is a multiple of {devices}"
         )
+
+
+def put_batch(mesh: Mesh, tree):
+    """This host's share of a batch (numpy, leading axis = this host's samples) -> global arrays split over
+    every device of `mesh` (`jax.make_array_from_process_local_data`: one host or many)."""
+    def put(a):
+        a = np.asarray(a)
+        return jax.make_array_from_process_local_data(batch_sharding(mesh, a.ndim), a)
+    return jax.tree.map(put, tree)

@@ -1,0 +1,179 @@
+"""The training step: its loss and gradients against diffusers' UNet + DDPMScheduler in PyTorch for the same
+batch, noise, timesteps and dropout; gradient accumulation equals the big batch; a tiny model overfits."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from pipelines.family import Family
+from sdx import mesh as meshlib
+from sdx import schedulers, unet as U, weights as W
+from sdx.vae import VAEConfig
+from train import denoise, objective
+from train import step as steplib
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+
+XL_UNET = dict(
+    block_out_channels=[32, 64], layers_per_block=1, down_block_types=["DownBlock2D", "CrossAttnDownBlock2D"],
+    up_block_types=["CrossAttnUpBlock2D", "UpBlock2D"], attention_head_dim=[2, 4], cross_attention_dim=32,
+    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=16 + 6 * 8, norm_num_groups=16,
+)
+SCHED = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear"}
+VAE = VAEConfig(scaling_factor=0.13025, latent_channels=4, block_out_channels=(32,), norm_num_groups=8)
+
+
+def _models(in_channels: int, seed: int = 0):
+    torch.manual_seed(seed)
+    ref = diffusers.UNet2DConditionModel(**XL_UNET, in_channels=in_channels)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    cfg = U.UNetConfig.from_diffusers_config({**XL_UNET, "in_channels": in_channels})
+    state = {k: v.numpy() for k, v in ref.state_dict().items()}
+    model = W.load_torch_state(W.abstract(lambda r: U.UNet2DConditionModel(cfg, rngs=r)), state, where="test")
+    return ref, model
+
+
+def _batch(n: int, pix2pix: bool, seed: int = 0) -> dict[str, np.ndarray]:
+    r = np.random.default_rng(seed)
+    b = {
+        "moments": np.concatenate([r.standard_normal((n, 8, 8, 4)), r.uniform(-3, -1, (n, 8, 8, 4))], -1).astype(np.float32),
+        "context": r.standard_normal((n, 7, 32)).astype(np.float32),
+        "pooled": r.standard_normal((n, 16)).astype(np.float32),
+        "time_ids": np.tile(np.array([[96, 80, 8, 0, 64, 64]], np.float32), (n, 1)),
+        "index": np.arange(100, 100 + n),
+    }
+    if pix2pix:
+        b["image_latents"] = r.standard_normal((n, 8, 8, 4)).astype(np.float32)
+    return b
+
+
+NULL = {"context": np.full((7, 32), 0.25, np.float32), "pooled": np.full((16,), -0.5, np.float32)}
+
+
+def _nchw(x) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(x).transpose(0, 3, 1, 2)))
+
+
+@pytest.mark.parametrize("case", [
+    dict(pix2pix=False, prediction_type="epsilon", snr_gamma=None, noise_offset=0.0, input_perturbation=0.0, p=0.0),
+    dict(pix2pix=False, prediction_type="v_prediction", snr_gamma=5.0, noise_offset=0.1, input_perturbation=0.1, p=0.5),
+    dict(pix2pix=True, prediction_type="epsilon", snr_gamma=5.0, noise_offset=0.0, input_perturbation=0.0, p=0.2),
+])
+def test_loss_and_gradients_match_diffusers(case):
+    """Same draws on both sides (taken from sdx's per-sample keys): loss and gradients of conv_in and an
+    attention projection equal diffusers' in float32."""
+    pix2pix = case["pix2pix"]
+    ref, model = _models(8 if pix2pix else 4)
+    fam = Family(xl=True, pix2pix=pix2pix, aesthetic=False, encoders=("text_encoder", "text_encoder_2"), force_zeros=True)
+    sched_cfg = {**SCHED, "prediction_type": case["prediction_type"]}
+    sched = schedulers.from_name("ddpm", sched_cfg)
+    cfg = denoise.DenoiseConfig(
+        family=fam, scheduler=sched, vae=VAE, prediction_type=case["prediction_type"], snr_gamma=case["snr_gamma"],
+        noise_offset=case["noise_offset"], input_perturbation=case["input_perturbation"],
+        text_drop=case["p"], conditioning_dropout=case["p"],
+    )
+    batch = _batch(6, pix2pix)
+    graphdef, params = nnx.split(model)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    fn = denoise.loss_fn(graphdef, cfg, jax.tree.map(jnp.asarray, NULL))
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys)
+
+    # the draws, from the same keys
+    latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
+    noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
+    t = objective.timesteps(keys, 1000)
+    if pix2pix:
+        drop_text, drop_image = objective.conditioning_dropout(keys, case["p"])
+    else:
+        drop_text, drop_image = objective.empty_prompt(keys, case["p"]), None
+    assert 0 < int(drop_text.sum()) < 6 or case["p"] == 0  # the case exercises both branches
+
+    ts = diffusers.DDPMScheduler(**sched_cfg)
+    tt = torch.from_numpy(np.array(t)).long()
+    x0, eps = _nchw(latents), _nchw(noise)
+    noisy = ts.add_noise(x0, _nchw(noise_in), tt)
+    dt = torch.from_numpy(np.asarray(drop_text))
+    ctx = torch.where(dt[:, None, None], torch.from_numpy(NULL["context"]), torch.from_numpy(batch["context"]))
+    pooled = torch.where(dt[:, None], torch.from_numpy(NULL["pooled"]), torch.from_numpy(batch["pooled"]))
+    if pix2pix:
+        keep = 1.0 - torch.from_numpy(np.asarray(drop_image)).float()
+        noisy = torch.cat([noisy, _nchw(batch["image_latents"]) * keep[:, None, None, None]], dim=1)
+    pred = ref(noisy, tt, ctx, added_cond_kwargs={"text_embeds": pooled, "time_ids": torch.from_numpy(batch["time_ids"])}).sample
+    target = eps if case["prediction_type"] == "epsilon" else ts.get_velocity(x0, eps, tt)
+    if case["snr_gamma"] is None:
+        ref_loss = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="mean")
+    else:  # diffusers' train_text_to_image.py
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(ts, tt)
+        w = torch.stack([snr, 5.0 * torch.ones_like(tt)], dim=1).min(dim=1)[0]
+        w = w / snr if case["prediction_type"] == "epsilon" else w / (snr + 1)
+        per = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=[1, 2, 3]) * w
+        ref_loss = per.mean()
+    ref_loss.backward()
+
+    print("loss", float(loss), ref_loss.item())
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+    g_conv = np.asarray(flat["conv_in.kernel"]).transpose(3, 2, 0, 1)  # HWIO -> OIHW
+    g_q = np.asarray(flat["down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_q.kernel"]).T  # (in, out) -> (out, in)
+    for ours, theirs in ((g_conv, ref.conv_in.weight.grad), (g_q, ref.down_blocks[1].attentions[0].transformer_blocks[0].attn2.to_q.weight.grad)):
+        theirs = theirs.numpy()
+        err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+        print("relative gradient error", err)
+        assert err < 1e-4
+
+
+def _step(model, batch, accumulation, tx=None):
+    fam = Family(xl=True, pix2pix=False, aesthetic=False, encoders=("text_encoder", "text_encoder_2"), force_zeros=True)
+    cfg = denoise.DenoiseConfig(family=fam, scheduler=schedulers.from_name("ddpm", SCHED), vae=VAE,
+                                prediction_type="epsilon", text_drop=0.3)
+    graphdef, params = nnx.split(model)
+    tx = tx or optax.sgd(0.1)
+    state = steplib.init_state(params, tx, use_ema=True)
+    mesh = meshlib.make_mesh(1)
+    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    from train import ema
+
+    fn = steplib.compile_step(state, shapes, jax.random.key(0), mesh, loss_fn=denoise.loss_fn(graphdef, cfg, jax.tree.map(jnp.asarray, NULL)),
+                              tx=tx, accumulation=accumulation, ema=ema.EMAConfig(decay=0.9), learning_rate=lambda s: 0.1)
+    return fn, state
+
+
+def test_accumulation_equals_one_big_batch():
+    _, model = _models(4)
+    batch = _batch(4, False)
+    big, state = _step(model, batch, 1)
+    s1, m1 = big(state, batch, jax.random.key(0))
+    _, model = _models(4)
+    acc, state = _step(model, batch, 2)
+    s2, m2 = acc(state, batch, jax.random.key(0))
+    np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
+    for a, b in zip(jax.tree.leaves(s1.ema), jax.tree.leaves(s2.ema)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
+    assert int(s2.step) == 1
+
+
+def test_tiny_model_overfits_a_repeated_batch():
+    _, model = _models(4)
+    batch = _batch(4, False)
+    fn, state = _step(model, batch, 1, tx=optax.adam(1e-3))
+    losses = []
+    for _ in range(40):
+        state, m = fn(state, batch, jax.random.key(0))
+        losses.append(float(m["loss"]))
+    first, last = np.mean(losses[:5]), np.mean(losses[-5:])
+    print("loss", first, "->", last)
+    assert last < 0.6 * first

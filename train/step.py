@@ -1,0 +1,121 @@
+"""One optimizer step as one jitted, ahead-of-time compiled, pure function.
+
+    step(state, batch, seed_key) -> (state, metrics)
+
+`state` is a `TrainState` (trainable parameters, optax state, EMA, optimizer-step count); `batch` a dict
+of arrays whose leading axis is the whole step's samples (`accumulation` micro-batches of `micro`
+samples) and holds `index`, each sample's global index. Every random draw of the step comes from
+`fold_in(fold_in(seed_key, step), index)`, one key per sample: a sample draws the same whether it sits
+in a micro-batch of 1 or 64, on one device or split over a mesh, and a resumed run draws what the
+uninterrupted one would have.
+
+Gradient accumulation is a `lax.scan` over the micro-batches inside the step, so the learning-rate
+schedule and the EMA count optimizer steps. The mean of the micro-batch losses (and gradients) equals
+the loss of the whole batch because every micro-batch has the same size.
+
+Sharding: the state keeps the shardings it was placed with (parameters, gradients, optimizer state and
+EMA over `fsdp`, see `sdx.mesh.param_sharding`), the batch is split over every device, and the state's
+buffers are donated to the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sdx import mesh as meshlib
+from train import ema as emalib
+
+LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """params: the trainable parameters (float32 master weights); opt: optax state; ema: float32 shadow
+    of params, or None; step: optimizer steps done (int32 scalar)."""
+
+    params: Any
+    opt: Any
+    ema: Any
+    step: jax.Array
+
+
+def init_state(params, tx: optax.GradientTransformation, use_ema: bool) -> TrainState:
+    """The state before the first step; optimizer moments and EMA take the parameters' shardings."""
+    opt = jax.jit(tx.init)(params)
+    ema = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params) if use_ema else None
+    return TrainState(params=params, opt=opt, ema=ema, step=jnp.zeros((), jnp.int32))
+
+
+def sample_keys(seed_key: jax.Array, step: jax.Array, index: jax.Array) -> jax.Array:
+    """One key per sample: fold_in(fold_in(seed_key, step), index). index: int[B] -> keys [B]."""
+    step_key = jax.random.fold_in(seed_key, step)
+    return jax.vmap(lambda i: jax.random.fold_in(step_key, i))(index)
+
+
+def _micro_batches(tree, accumulation: int):
+    """[accumulation * micro, ...] -> [accumulation, micro, ...], micro-batch j taking samples j, j + A,
+    j + 2A, ...: each micro-batch keeps the batch axis's split over the devices."""
+    def split(x):
+        micro = x.shape[0] // accumulation
+        x = x.reshape(micro, accumulation, *x.shape[1:])  # (micro, A, ...)
+        return jnp.swapaxes(x, 0, 1)  # (A, micro, ...)
+    return jax.tree.map(split, tree)
+
+
+def train_step(
+    state: TrainState,
+    batch: Mapping[str, jax.Array],
+    seed_key: jax.Array,
+    *,
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    accumulation: int,
+    ema: emalib.EMAConfig | None,
+    learning_rate: Callable[[jax.Array], jax.Array],
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """See the module docstring. loss_fn(params, micro_batch, keys) -> (scalar loss, aux metrics)."""
+    keys = sample_keys(seed_key, state.step, batch["index"])
+    micro = _micro_batches((dict(batch), keys), accumulation)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulate(carry, xs):
+        loss_sum, grad_sum, aux_sum = carry
+        (loss, aux), grads = grad_fn(state.params, *xs)
+        add = lambda a, b: jax.tree.map(jnp.add, a, b)
+        return (loss_sum + loss, add(grad_sum, grads), add(aux_sum, aux)), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    aux_shapes = jax.eval_shape(loss_fn, state.params, *jax.tree.map(lambda x: x[0], micro))[1]
+    aux_zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes)
+    (loss, grads, aux), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros, aux_zeros), micro)
+    scale = 1.0 / accumulation
+    loss, grads, aux = loss * scale, jax.tree.map(lambda g: g * scale, grads), jax.tree.map(lambda a: a * scale, aux)
+
+    updates, opt = tx.update(grads, state.opt, state.params)
+    params = optax.apply_updates(state.params, updates)
+    step = state.step + 1
+    shadow = emalib.update(ema, state.ema, params, step) if ema is not None else None
+    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": learning_rate(state.step), **aux}
+    return TrainState(params=params, opt=opt, ema=shadow, step=step), metrics
+
+
+def compile_step(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], seed_key: jax.Array, mesh, **kw):
+    """`train_step` compiled ahead of time for these shapes: the state keeps its shardings and is donated,
+    the batch is split over every device of `mesh`, metrics come back replicated."""
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    batch_shardings = {k: meshlib.batch_sharding(mesh, len(v.shape)) for k, v in batch_shapes.items()}
+    fn = jax.jit(
+        lambda s, b, k: train_step(s, b, k, **kw),
+        in_shardings=(state_shardings, batch_shardings, meshlib.replicated(mesh)),
+        out_shardings=(state_shardings, meshlib.replicated(mesh)),
+        donate_argnums=(0,),
+    )
+    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch_shapes.items()}
+    return fn.lower(state, shapes, seed_key).compile()
