@@ -6,7 +6,10 @@ field of the model (`attention=`), never a global:
 
 - `xla`: the portable reference (every platform). Logits and softmax in float32 whatever the inputs'
   dtype, which is what diffusers' `upcast_attention`/`upcast_softmax` ask for.
-- `cudnn`: cuDNN flash attention on NVIDIA GPUs (float16/bfloat16 inputs).
+- `cudnn`: cuDNN flash attention on NVIDIA GPUs. cuDNN takes only float16/bfloat16 inputs with a
+  head_dim that is a multiple of 8 and at most 256 (128 before Hopper), so the choice is made per call
+  at trace time (`cudnn_rejects`): a call cuDNN cannot take (the VAE's one 512-wide float32 head) runs
+  the `xla` path instead, logged once per reason.
 - `chunked`: queries processed `chunk_size` at a time under `lax.map`, so the `(tokens_q, tokens_k)`
   logits never exist for all queries at once, in the forward or the backward pass. For very long
   sequences (the 128² latent of a 2048² image has 16,384 tokens: 1 GiB of float32 logits per head
@@ -15,14 +18,18 @@ field of the model (`attention=`), never a global:
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
 Backend = Literal["xla", "cudnn", "chunked"]
-BACKENDS: tuple[str, ...] = ("xla", "cudnn", "chunked")
+BACKENDS: tuple[str, ...] = get_args(Backend)  # the one list of names: CLIs take their choices from here
+
+_log = logging.getLogger(__name__)
 
 
 def _reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool) -> jax.Array:
@@ -62,6 +69,38 @@ def _chunked(q, k, v, scale: float, causal: bool, chunk_size: int) -> jax.Array:
     return out[:, :tq]
 
 
+@functools.cache
+def _cudnn_max_head_dim() -> int:
+    """The largest head_dim cuDNN flash attention takes here: 256 on Hopper or later (compute capability
+    9.0), 128 before, as jax's `check_is_flash_attention` decides. Without a CUDA device, 256."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    capability = getattr(gpus[0], "compute_capability", None) if gpus else None
+    if capability is None:
+        return 256
+    return 256 if tuple(int(x) for x in capability.split(".")) >= (9, 0) else 128
+
+
+def cudnn_rejects(dtype, head_dim: int, max_head_dim: int | None = None) -> str | None:
+    """Why cuDNN flash attention cannot take inputs of `dtype` and `head_dim` (None when it can).
+
+    jax raises for these (jax/_src/cudnn/fused_attention_stablehlo.py: `check_layout`,
+    `check_is_flash_attention`) instead of falling back, so sdx checks first. max_head_dim: None reads
+    the device's limit.
+    """
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        return f"{jnp.dtype(dtype).name} inputs (cuDNN takes float16 or bfloat16)"
+    limit = _cudnn_max_head_dim() if max_head_dim is None else max_head_dim
+    if head_dim % 8 or head_dim > limit:
+        return f"head_dim {head_dim} (cuDNN takes multiples of 8 up to {limit})"
+    return None
+
+
+@functools.cache
+def _log_fallback(reason: str) -> None:
+    """Once per distinct reason: a run traces the same shapes many times."""
+    _log.warning("attention: cuDNN flash attention cannot take %s; these calls use the xla backend", reason)
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -78,7 +117,11 @@ def dot_product_attention(
     if backend == "xla":
         return _reference(q, k, v, scale, causal)
     if backend == "cudnn":
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+        reason = cudnn_rejects(q.dtype, q.shape[-1])
+        if reason is None:
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+        _log_fallback(reason)
+        return _reference(q, k, v, scale, causal)
     if backend == "chunked":
         return _chunked(q, k, v, scale, causal, chunk_size)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,5 +1,7 @@
-"""Every attention backend equals the plain one (and the plain one equals textbook attention)."""
+"""Every attention backend equals the plain one (and the plain one equals textbook attention); cuDNN is
+chosen only for the calls it can take."""
 
+import logging
 import math
 
 import jax
@@ -7,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sdx.attention import dot_product_attention
+from sdx import attention
+from sdx.attention import cudnn_rejects, dot_product_attention
 
 
 def _qkv(b=2, tq=37, tk=29, h=3, d=8, seed=0, dtype=jnp.float32):
@@ -74,6 +77,32 @@ def test_unknown_backend_is_named():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="flash"):
         dot_product_attention(q, k, v, backend="flash")
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, limit, rejected",
+    [
+        (jnp.float32, 512, 256, "float32 inputs"),  # the VAE mid-block's one 512-wide head, float32 by default
+        (jnp.bfloat16, 512, 256, "head_dim 512"),  # the same head in bfloat16
+        (jnp.bfloat16, 64, 128, None),  # SD 2.x / SDXL UNet heads
+        (jnp.float16, 40, 128, None),  # SD 1.x UNet heads
+        (jnp.float16, 160, 128, "head_dim 160"),  # over the pre-Hopper limit ...
+        (jnp.float16, 160, 256, None),  # ... within Hopper's
+        (jnp.bfloat16, 36, 256, "head_dim 36"),  # not a multiple of 8
+    ],
+)
+def test_cudnn_takes_only_half_precision_and_its_head_dims(dtype, head_dim, limit, rejected):
+    reason = cudnn_rejects(dtype, head_dim, max_head_dim=limit)
+    assert reason == rejected if rejected is None else rejected in reason
+
+
+def test_cudnn_backend_runs_rejected_calls_on_xla_and_says_so_once(caplog):
+    q, k, v = _qkv(d=12)  # float32, head_dim 12: cuDNN takes neither (and is never reached, so no GPU needed)
+    attention._log_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="sdx.attention"):
+        outs = [dot_product_attention(q, k, v, backend="cudnn") for _ in range(2)]
+    np.testing.assert_array_equal(np.asarray(outs[0]), np.asarray(dot_product_attention(q, k, v, backend="xla")))
+    assert len(caplog.records) == 1 and "float32 inputs" in caplog.records[0].getMessage()
 
 
 @pytest.mark.skipif(
