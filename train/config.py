@@ -23,10 +23,10 @@ import sys
 from typing import Any
 
 from sdx.errors import SdxError
+from train.lr import SCHEDULES
+from train.objective import PREDICTION_TYPES
 
 TASKS = ("pix2pix", "text_to_image", "vae")
-LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 EXPORT_FORMATS = ("sdx", "diffusers")
 
 # diffusers flags that sdx's trainers do not implement, with what to do instead.
@@ -96,6 +96,7 @@ class TrainConfig:
     lr_warmup_steps: int = 500
     lr_num_cycles: int = 1
     lr_power: float = 1.0
+    lr_step_rules: str | None = None
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_weight_decay: float = 1e-2
@@ -207,10 +208,11 @@ def parser(task: str) -> argparse.ArgumentParser:
     _bool(p, "gradient_checkpointing", "rematerialise each block in the backward pass (less memory, more compute)")
     opt("learning_rate", "peak learning rate", type=float)
     _bool(p, "scale_lr", "multiply the learning rate by accumulation steps x batch size x devices")
-    opt("lr_scheduler", "learning-rate curve", choices=LR_SCHEDULERS)
+    opt("lr_scheduler", "learning-rate curve", choices=SCHEDULES)
     opt("lr_warmup_steps", "linear warm-up, in optimizer steps", type=int)
     opt("lr_num_cycles", "cosine_with_restarts: number of hard restarts", type=int)
     opt("lr_power", "polynomial: power of the decay", type=float)
+    opt("lr_step_rules", "piecewise_constant: 'multiplier:step,...,last_multiplier', as diffusers' step_rules")
     opt("adam_beta1", "AdamW beta1", type=float)
     opt("adam_beta2", "AdamW beta2", type=float)
     opt("adam_weight_decay", "AdamW decoupled weight decay", type=float)
