@@ -72,7 +72,7 @@ def run_sdx(args) -> dict:
     import jax
     import numpy as np
 
-    from convert.cli import ensure_sdx_folder
+    from convert.library import ensure_sdx_folder
     from pipelines.pipeline import Pipeline
     from pipelines.request import Request
 

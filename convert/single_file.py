@@ -117,8 +117,8 @@ def _load_pickle(path: Path) -> dict[str, np.ndarray]:
         import torch
     except ImportError:
         raise SdxError(
-            f"{path}: reading a pickled checkpoint needs PyTorch (pip install torch), which sdx does not "
-            "depend on; or convert the file to .safetensors first"
+            f"{path}: reading a pickled checkpoint needs PyTorch (pip install 'sdx[ckpt]'), an optional "
+            "dependency; or convert the file to .safetensors first"
         ) from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)

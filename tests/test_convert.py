@@ -19,7 +19,7 @@ from flax import nnx
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from convert import cli, diffusers_folder, hub
+from convert import cli, diffusers_folder, hub, library, sources
 from convert.sdx_folder import read_sdx_folder
 from sdx import model_folder
 from sdx.errors import SdxError
@@ -52,7 +52,7 @@ def sdxl(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sdxl_out(sdxl, tmp_path_factory) -> Path:
-    return cli.convert(sdxl, tmp_path_factory.mktemp("out") / "sdxl")
+    return library.convert(sdxl, tmp_path_factory.mktemp("out") / "sdxl")
 
 
 def _copy(src: Path, tmp_path: Path, name: str = "copy") -> Path:
@@ -131,7 +131,7 @@ def test_sdxl_folder_reproduces_diffusers(sdxl, sdxl_out):
 
 
 def test_sd15_tensors_round_trip_exactly(sd15, tmp_path):
-    out = cli.convert(sd15, tmp_path / "out")
+    out = library.convert(sd15, tmp_path / "out")
     ckpt = read_sdx_folder(out)
     assert ckpt.pipeline_class == "StableDiffusionPipeline"
     assert set(ckpt.tensors) == {"unet", "vae", "text_encoder"}
@@ -162,16 +162,16 @@ def test_fp16_variant_is_read_for_16_bit_dtypes(sd15, tmp_path):
     plain = load_file(src / UNET_FILE)["conv_in.bias"]
     fp16 = load_file(src / "unet/diffusion_pytorch_model.fp16.safetensors")["conv_in.bias"]
 
-    out16 = cli.convert(src, tmp_path / "out16", dtype="float16")
+    out16 = library.convert(src, tmp_path / "out16", dtype="float16")
     np.testing.assert_array_equal(model_folder.read_arrays(out16, "unet")["conv_in.bias"], fp16)
-    outbf = cli.convert(src, tmp_path / "outbf", dtype="bfloat16")
+    outbf = library.convert(src, tmp_path / "outbf", dtype="bfloat16")
     got = model_folder.read_arrays(outbf, "unet")["conv_in.bias"]
     assert got.dtype == jnp.bfloat16
     np.testing.assert_array_equal(got, fp16.astype(jnp.bfloat16))
-    out32 = cli.convert(src, tmp_path / "out32", dtype="float32")
+    out32 = library.convert(src, tmp_path / "out32", dtype="float32")
     np.testing.assert_array_equal(model_folder.read_arrays(out32, "unet")["conv_in.bias"], plain)
     # an explicit variant wins over the dtype's default
-    out_v = cli.convert(src, tmp_path / "out_v", dtype="float32", variant="fp16")
+    out_v = library.convert(src, tmp_path / "out_v", dtype="float32", variant="fp16")
     np.testing.assert_array_equal(model_folder.read_arrays(out_v, "unet")["conv_in.bias"], fp16.astype(np.float32))
 
 
@@ -199,8 +199,8 @@ def test_sharded_folder_converts_like_the_single_file_one(sd15, tmp_path):
     assert (src / "unet/diffusion_pytorch_model.safetensors.index.json").is_file()
     assert (src / "text_encoder/model.safetensors.index.json").is_file()
     assert not (src / UNET_FILE).exists() and not (src / TE_FILE).exists()
-    out = cli.convert(src, tmp_path / "out")
-    ref = cli.convert(sd15, tmp_path / "ref")
+    out = library.convert(src, tmp_path / "out")
+    ref = library.convert(sd15, tmp_path / "ref")
     for name in ("unet", "text_encoder"):
         a, b = model_folder.read_arrays(out, name), model_folder.read_arrays(ref, name)
         assert set(a) == set(b)
@@ -209,7 +209,7 @@ def test_sharded_folder_converts_like_the_single_file_one(sd15, tmp_path):
 
 
 def test_sdx_folder_resaves_in_another_dtype(sdxl_out, tmp_path):
-    out = cli.convert(sdxl_out, tmp_path / "bf16", dtype="bfloat16")
+    out = library.convert(sdxl_out, tmp_path / "bf16", dtype="bfloat16")
     spec, ref_spec = model_folder.read_spec(out), model_folder.read_spec(sdxl_out)
     assert spec["dtype"] == "bfloat16"
     assert {k: v for k, v in spec.items() if k != "dtype"} == {k: v for k, v in ref_spec.items() if k != "dtype"}
@@ -228,7 +228,7 @@ def test_refiner_layout_without_first_text_encoder(sdxl, tmp_path):
     index.update(_class_name="StableDiffusionXLImg2ImgPipeline", text_encoder=[None, None], tokenizer=[None, None],
                  requires_aesthetics_score=True, force_zeros_for_empty_prompt=False)
     (src / "model_index.json").write_text(json.dumps(index))
-    out = cli.convert(src, tmp_path / "out")
+    out = library.convert(src, tmp_path / "out")
     spec = model_folder.read_spec(out)
     assert spec["pipeline_class"] == "StableDiffusionXLImg2ImgPipeline"
     assert set(spec["components"]) == {"unet", "vae", "text_encoder_2", "tokenizer_2", "scheduler"}
@@ -249,8 +249,8 @@ def test_known_renames_and_buffers(sd15, tmp_path):
     te = load_file(src / TE_FILE)
     te["text_model.embeddings.position_ids"] = np.arange(77, dtype=np.int64)[None]
     save_file(te, src / TE_FILE)
-    out = cli.convert(src, tmp_path / "out")
-    ref = cli.convert(sd15, tmp_path / "ref")
+    out = library.convert(src, tmp_path / "out")
+    ref = library.convert(sd15, tmp_path / "ref")
     for name in ("vae", "text_encoder"):
         a, b = model_folder.read_arrays(out, name), model_folder.read_arrays(ref, name)
         assert set(a) == set(b)
@@ -260,7 +260,7 @@ def test_known_renames_and_buffers(sd15, tmp_path):
     both = dict(old, **{k: v for k, v in vae.items() if ".to_q." in k})
     save_file(both, src / VAE_FILE)
     with pytest.raises(SdxError, match=r"vae/diffusion_pytorch_model\.safetensors.*old and its new name"):
-        cli.convert(src, tmp_path / "out2")
+        library.convert(src, tmp_path / "out2")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,7 +275,7 @@ def _rewrite(path: Path, edit) -> None:
 
 def _fails(src: Path, tmp_path: Path, *patterns: str) -> str:
     with pytest.raises(SdxError) as info:
-        cli.convert(src, tmp_path / "out")
+        library.convert(src, tmp_path / "out")
     msg = str(info.value)
     for p in patterns:
         assert p in msg, (p, msg)
@@ -389,16 +389,16 @@ def test_output_folder_is_never_clobbered(sd15, sdxl_out, tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(SdxError, match="not empty; pass --overwrite"):
-        cli.convert(sd15, out)
+        library.convert(sd15, out)
     assert (out / "keep.txt").read_text() == "mine"
     with pytest.raises(SdxError, match="must differ"):
-        cli.convert(sdxl_out, sdxl_out, overwrite=True)
-    cli.convert(sd15, out, overwrite=True, dtype="float16")
+        library.convert(sdxl_out, sdxl_out, overwrite=True)
+    library.convert(sd15, out, overwrite=True, dtype="float16")
     assert not (out / "keep.txt").exists() and model_folder.read_spec(out)["dtype"] == "float16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no tmp-/old- folders left behind
     empty = tmp_path / "empty"
     empty.mkdir()
-    cli.convert(sd15, empty)  # an empty folder is fine
+    library.convert(sd15, empty)  # an empty folder is fine
     assert model_folder.is_model_folder(empty)
 
 
@@ -467,7 +467,7 @@ def test_hub_id_fetches_only_the_needed_files(sd15, tmp_path, monkeypatch):
     for name in ("list_repo_files", "hf_hub_download", "snapshot_download"):
         monkeypatch.setattr(hub, name, getattr(fake, name))
 
-    out = cli.convert("org/tiny-sd", tmp_path / "out", dtype="bfloat16")
+    out = library.convert("org/tiny-sd", tmp_path / "out", dtype="bfloat16")
     assert model_folder.read_spec(out)["dtype"] == "bfloat16"
     tokenizer = sorted(f for f in fake.files() if f.startswith("tokenizer/"))
     assert fake.downloaded == {
@@ -482,12 +482,12 @@ def test_hub_id_fetches_only_the_needed_files(sd15, tmp_path, monkeypatch):
     # float32: the plain weights, never the variant
     fake.downloaded.clear()
     shutil.rmtree(tmp_path / "snapshot")
-    cli.convert("org/tiny-sd", tmp_path / "out32")
+    library.convert("org/tiny-sd", tmp_path / "out32")
     assert "unet/diffusion_pytorch_model.safetensors" in fake.downloaded
     assert not any(".fp16." in f or f.endswith((".bin", ".ckpt")) for f in fake.downloaded)
 
     with pytest.raises(SdxError, match=r"hub repo 'org/missing': not found"):
-        cli.convert("org/missing", tmp_path / "out3")
+        library.convert("org/missing", tmp_path / "out3")
 
 
 def _hf_cache(cache: Path, repo_id: str, folder: Path) -> None:
@@ -505,10 +505,10 @@ def test_hub_offline_uses_the_cache(sd15, tmp_path, monkeypatch):
     cache = tmp_path / "hf"
     _hf_cache(cache, "org/cached-sd", sd15)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    out = cli.convert("org/cached-sd", tmp_path / "out", cache_dir=cache)
+    out = library.convert("org/cached-sd", tmp_path / "out", cache_dir=cache)
     assert model_folder.read_spec(out)["pipeline_class"] == "StableDiffusionPipeline"
     with pytest.raises(SdxError) as info:
-        cli.convert("org/not-cached", tmp_path / "out2", cache_dir=cache)
+        library.convert("org/not-cached", tmp_path / "out2", cache_dir=cache)
     assert "'org/not-cached'" in str(info.value) and "HF_HUB_OFFLINE" in str(info.value)
 
 
@@ -523,17 +523,17 @@ def test_unreachable_hub_is_one_error_with_the_id(tmp_path, monkeypatch):
     with pytest.raises(SdxError) as info:
         hub.fetch("org/far-away", cache_dir=tmp_path)
     assert "'org/far-away'" in str(info.value) and "could not be reached" in str(info.value)
-    assert cli.looks_local("./org/x") and not hub.looks_like_repo_id("a/b/c")
+    assert sources.looks_local("./org/x") and not hub.looks_like_repo_id("a/b/c")
 
 
 def test_ensure_sdx_folder_converts_once(sd15, tmp_path):
-    first = cli.ensure_sdx_folder(sd15, dtype="bfloat16", cache_dir=tmp_path)
+    first = library.ensure_sdx_folder(sd15, dtype="bfloat16", cache_dir=tmp_path)
     assert model_folder.read_spec(first)["dtype"] == "bfloat16"
     stamp = (first / "sdx.json").stat().st_mtime_ns
-    assert cli.ensure_sdx_folder(sd15, dtype="bfloat16", cache_dir=tmp_path) == first
+    assert library.ensure_sdx_folder(sd15, dtype="bfloat16", cache_dir=tmp_path) == first
     assert (first / "sdx.json").stat().st_mtime_ns == stamp
-    assert cli.ensure_sdx_folder(first) == first  # an sdx folder is used as it is
-    assert cli.ensure_sdx_folder(sd15, dtype="float32", cache_dir=tmp_path) != first
+    assert library.ensure_sdx_folder(first) == first  # an sdx folder is used as it is
+    assert library.ensure_sdx_folder(sd15, dtype="float32", cache_dir=tmp_path) != first
 
 
 def test_needed_files_picks_variants_and_shards():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from convert import cli, hub
+from convert import cli, hub, library
 from convert.sdx_folder import read_sdx_folder
 from sdx import model_folder
 from sdx.io import read_safetensors
@@ -40,7 +40,7 @@ def tiny(tmp_path_factory):
         if kind not in made:
             root = tmp_path_factory.mktemp(kind)
             pipe = make_tiny_pipeline(kind, root / "diffusers")
-            made[kind] = (pipe, root / "diffusers", cli.convert(root / "diffusers", root / "sdx"))
+            made[kind] = (pipe, root / "diffusers", library.convert(root / "diffusers", root / "sdx"))
         return made[kind]
 
     return get
@@ -82,7 +82,7 @@ def fails(capsys, argv: list[str], *fragments: str) -> str:
 def test_diffusers_export_loads_in_from_pretrained_exactly(tiny, tmp_path, kind):
     pipe, folder, sdx = tiny(kind)
     for src in (sdx, folder):  # from an sdx folder and straight from a diffusers one
-        out = cli.convert(src, tmp_path / f"out-{src.name}", fmt="diffusers")
+        out = library.convert(src, tmp_path / f"out-{src.name}", fmt="diffusers")
         theirs = type(pipe).from_pretrained(out)
         assert_same_pipeline_weights(pipe, theirs)
         assert type(theirs.scheduler) is type(pipe.scheduler)
@@ -98,7 +98,7 @@ def test_diffusers_export_loads_in_from_pretrained_exactly(tiny, tmp_path, kind)
             if getattr(pipe, t, None) is not None:
                 assert getattr(theirs, t)("a fox").input_ids == getattr(pipe, t)("a fox").input_ids
     # ... and it reads back into sdx to the very same arrays
-    back = cli.convert(out, tmp_path / "back")
+    back = library.convert(out, tmp_path / "back")
     for c in (c for c in _MODELS if getattr(pipe, c, None) is not None):
         assert_same_state(model_folder.read_arrays(sdx, c), model_folder.read_arrays(back, c), c)
 
@@ -112,7 +112,7 @@ def test_diffusers_export_without_source_configs(tiny, tmp_path):
     for c in _MODELS:
         spec["components"][c]["source_config"] = None
     (bare / "sdx.json").write_text(json.dumps(spec))
-    out = cli.convert(bare, tmp_path / "out", fmt="diffusers", dtype="float16")
+    out = library.convert(bare, tmp_path / "out", fmt="diffusers", dtype="float16")
     theirs = type(pipe).from_pretrained(out, torch_dtype=torch.float32)
     for c in _MODELS:
         want = {k: v.astype(np.float16).astype(np.float32) for k, v in state(getattr(pipe, c)).items()}
@@ -145,13 +145,13 @@ def test_sdx_to_single_file_to_sdx_is_exact(tiny, tmp_path, kind):
 
 def test_single_file_without_tokenizers_gets_the_builtin_ones(tiny, tmp_path):
     pipe, folder, sdx = tiny("sdxl")
-    path = cli.convert(sdx, tmp_path / "model.safetensors", fmt="single-file", dtype="bfloat16")
+    path = library.convert(sdx, tmp_path / "model.safetensors", fmt="single-file", dtype="bfloat16")
     configs = tmp_path / "configs"  # config.json files only: no tokenizers, no model_index.json
     for c in ("unet", "vae", "text_encoder", "text_encoder_2", "scheduler"):
         (configs / c).mkdir(parents=True)
         for f in (folder / c).glob("*.json"):
             shutil.copy(f, configs / c)
-    out = cli.convert(path, tmp_path / "out", options=cli.ModelOptions(config=str(configs)))
+    out = library.convert(path, tmp_path / "out", options=library.ModelOptions(config=str(configs)))
     assert {str(a.dtype) for a in read_safetensors(path).values()} == {"bfloat16"}
     for t in ("tokenizer", "tokenizer_2"):
         ours = model_folder.load_tokenizer(out, t)
@@ -168,7 +168,7 @@ def test_single_file_cli_errors(tiny, tmp_path, capsys):
     save_file({"model.something.weight": np.zeros((2, 2), np.float32)}, str(junk))
     fails(capsys, [str(junk), str(tmp_path / "o1")], "unknown single-file layout", "looked for",
           "model.diffusion_model.input_blocks.0.0.weight")
-    path = cli.convert(sdx, tmp_path / "model.safetensors", fmt="single-file")
+    path = library.convert(sdx, tmp_path / "model.safetensors", fmt="single-file")
     cut = tmp_path / "cut.safetensors"
     cut.write_bytes(path.read_bytes()[:-4096])
     fails(capsys, [str(cut), str(tmp_path / "o2"), "--config", str(folder)], str(cut))
@@ -201,12 +201,12 @@ def test_vae_swap(tiny, tmp_path, capsys):
     want = state(vae)
 
     # a diffusers VAE folder: its weights and its own latent scaling
-    out = cli.convert(folder, tmp_path / "out", options=cli.ModelOptions(vae=str(tmp_path / "vae")))
+    out = library.convert(folder, tmp_path / "out", options=library.ModelOptions(vae=str(tmp_path / "vae")))
     assert_same_state(want, {k: np.asarray(v) for k, v in read_sdx_folder(out).tensors["vae"].items()}, "vae")
     config = model_folder.model_config(out, "vae")
     assert config.scaling_factor == 0.5 and config.force_upcast is False
     # ... which is what diffusers runs when given that VAE (through our diffusers export)
-    exported = cli.convert(out, tmp_path / "exported", fmt="diffusers")
+    exported = library.convert(out, tmp_path / "exported", fmt="diffusers")
     theirs = type(pipe).from_pretrained(exported)
     assert_same_state(want, state(theirs.vae), "exported vae")
     assert theirs.vae.config.scaling_factor == 0.5
@@ -222,7 +222,7 @@ def test_vae_swap(tiny, tmp_path, capsys):
     vae_file = tmp_path / "vae.safetensors"
     single_file.write_single_file(Checkpoint("", {"vae": dict(vae.config)}, {"vae": want}), vae_file)
     for source in (tmp_path / "pipeline", out, vae_file):
-        got = cli.convert(sdx, tmp_path / f"via-{source.name}", options=cli.ModelOptions(vae=str(source)))
+        got = library.convert(sdx, tmp_path / f"via-{source.name}", options=library.ModelOptions(vae=str(source)))
         assert_same_state(want, {k: np.asarray(v) for k, v in read_sdx_folder(got).tensors["vae"].items()}, source)
         scaling = model_folder.model_config(got, "vae").scaling_factor
         assert scaling == (pipe.vae.config.scaling_factor if source == vae_file else 0.5)
@@ -250,7 +250,7 @@ def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
 
     # a pipeline repo as --vae: only its vae/ config and weights are fetched
     fake = serve("org/pipe", folder)
-    out = cli.convert(sdx, tmp_path / "out", options=cli.ModelOptions(vae="org/pipe"))
+    out = library.convert(sdx, tmp_path / "out", options=library.ModelOptions(vae="org/pipe"))
     assert fake.downloaded == {"vae/config.json", "vae/diffusion_pytorch_model.safetensors"}
     assert_same_state(state(pipe.vae), {k: np.asarray(v) for k, v in read_sdx_folder(out).tensors["vae"].items()}, "vae")
 
@@ -264,12 +264,12 @@ def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
     save_file({"lora_te_text_model_encoder_layers_0_mlp_fc2.lora_down.weight": np.full((2, 64), 0.01, np.float32),
                "lora_te_text_model_encoder_layers_0_mlp_fc2.lora_up.weight": up}, str(repo / "other.safetensors"))
     fake = serve("org/lora", repo)
-    a = cli.convert(sdx, tmp_path / "a", options=cli.ModelOptions.from_args(lora=["org/lora:0.5"]))
+    a = library.convert(sdx, tmp_path / "a", options=library.ModelOptions.from_args(lora=["org/lora:0.5"]))
     assert fake.downloaded == {"pytorch_lora_weights.safetensors"}
     delta = np.asarray(read_sdx_folder(a).tensors["unet"]["conv_in.weight"]) - state(pipe.unet)["conv_in.weight"]
     np.testing.assert_allclose(delta, 0.5 * 2 * 0.01 * 0.02, rtol=0, atol=1e-6)
     fake.downloaded.clear()
-    cli.convert(sdx, tmp_path / "b", options=cli.ModelOptions.from_args(lora=["org/lora/other.safetensors"]))
+    library.convert(sdx, tmp_path / "b", options=library.ModelOptions.from_args(lora=["org/lora/other.safetensors"]))
     assert fake.downloaded == {"other.safetensors"}
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--lora", "org/lora/missing.safetensors"],
           "hub repo 'org/lora'", "has no file missing.safetensors")

@@ -13,10 +13,11 @@ import os
 import numpy as np
 import pytest
 
-from convert import cli
+from convert import cli, library
 from convert.sdx_folder import read_sdx_folder
 from sdx import model_folder
-from sdx.sample import main, resolve_model
+from pipelines.cli import resolve_model
+from sdx.sample import main
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -82,13 +83,13 @@ def test_single_file_samples_like_the_original(lora_sd15, shared_cache, tmp_path
 
     # converted once into the cache, keyed by the file: a changed file converts again
     models = shared_cache / "models"
-    options = cli.ModelOptions(config=str(folder))
+    options = library.ModelOptions(config=str(folder))
     converted = set(models.iterdir())
-    first = cli.ensure_sdx_folder(path, cache_dir=models, options=options)
+    first = library.ensure_sdx_folder(path, cache_dir=models, options=options)
     assert first in converted and first.name.startswith("model-float32-")  # what the sampler converted
-    assert cli.ensure_sdx_folder(path, cache_dir=models, options=options) == first
+    assert library.ensure_sdx_folder(path, cache_dir=models, options=options) == first
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
-    assert cli.ensure_sdx_folder(path, cache_dir=models, options=options) != first
+    assert library.ensure_sdx_folder(path, cache_dir=models, options=options) != first
 
 
 # --------------------------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def test_lora_sample_equals_diffusers_fuse(lora_sd15, shared_cache, tmp_path):
 
     # the cache entry is keyed by the LoRA files and scales
     def cached(*args):
-        options = cli.ModelOptions.from_args(lora=list(args))
+        options = library.ModelOptions.from_args(lora=list(args))
         return resolve_model(str(lora.folder), dtype="float32", cache=shared_cache, log=lambda _m: None,
                              options=options)
 
@@ -147,7 +148,7 @@ def test_vae_option_reaches_the_sampled_model(lora_sd15, shared_cache, tmp_path)
     pipe = lora_sd15.cls.from_pretrained(lora_sd15.folder)
     vae = tiny_vae(pipe, tmp_path / "vae", seed=9, scaling_factor=0.3)
     folder = resolve_model(str(lora_sd15.folder), dtype="float32", cache=shared_cache, log=lambda _m: None,
-                           options=cli.ModelOptions(vae=str(tmp_path / "vae")))
+                           options=library.ModelOptions(vae=str(tmp_path / "vae")))
     got = {k: np.asarray(v) for k, v in read_sdx_folder(folder).tensors["vae"].items()}
     for k, w in state(vae).items():
         np.testing.assert_array_equal(got[k], w, err_msg=k)

@@ -318,7 +318,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _load(spec: str, args, cache: Path, log, *, edit: bool):
     from pipelines.pipeline import Pipeline
-    from sdx.sample import resolve_model
+    from pipelines.cli import resolve_model
 
     flag = "--edit-model" if edit else "--model"
     folder = resolve_model(spec, dtype=args.dtype, cache=cache, log=log)
@@ -342,7 +342,7 @@ def _by_seed(pipe, request_for, n: int, seeds: list[int], size: int, bar) -> np.
 
 
 def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | None]:
-    from convert.cli import default_cache_dir
+    from convert.library import default_cache_dir
     from pipelines.request import Request
     from pipelines.sampler import enable_compilation_cache
 

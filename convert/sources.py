@@ -1,0 +1,313 @@
+"""Where a model comes from, and what changes it on the way in.
+
+A source is, in this order: an sdx model folder (sdx.json), a diffusers-layout folder
+(model_index.json), a single-file checkpoint (SGM/LDM keys, `convert.single_file`), or a hub id
+`org/name` (a local path always wins over a hub id). `read_source` makes it a `Checkpoint`;
+`ModelOptions` (the `--config`, `--preset`, `--lora` and `--vae` flags of `python -m convert` and
+`python -m sdx.sample`) change it: `resolve_lora` / `resolve_vae` find (or download) the files,
+`apply_options` swaps the VAE and merges the LoRAs.
+
+Errors a user can fix are SdxErrors naming the flag and the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from convert import diffusers_folder, hub, sdx_folder
+from convert.checkpoint import Checkpoint
+from sdx import io, model_folder
+from sdx.errors import SdxError
+
+Log = Callable[[str], None]
+
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def default_variant(dtype: str | None) -> str | None:
+    """The weights variant worth reading for `dtype`: fp16 halves the download when 16 bits are kept anyway."""
+    return "fp16" if dtype in SIXTEEN_BIT else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelOptions:
+    """What changes a source on its way in (`python -m convert` and `python -m sdx.sample` flags).
+
+    config: a diffusers-layout folder (config.json files, tokenizers) for a single-file source, in
+      place of the built-in preset its keys point to (`--config`).
+    preset: the preset for a single-file source, e.g. "sd21" for an SD 2.x-base epsilon file (`--preset`).
+    loras: (file or hub path, scale) pairs, merged in order (`--lora FILE[:SCALE]`).
+    vae: a VAE to use instead of the model's (`--vae`): a diffusers VAE folder, a pipeline folder
+      (its vae/), an sdx folder, a single VAE file, or a hub id (`org/name`, `org/name/file.safetensors`).
+    """
+
+    config: str | None = None
+    preset: str | None = None
+    loras: tuple[tuple[str, float], ...] = ()
+    vae: str | None = None
+
+    @classmethod
+    def from_args(cls, *, config=None, preset=None, lora: Sequence[str] | None = None, vae=None) -> ModelOptions:
+        from convert.lora import parse_lora_arg
+
+        loras = []
+        for arg in lora or ():
+            _, scale = parse_lora_arg(arg)  # checks the scale
+            head, sep, tail = arg.rpartition(":")
+            loras.append((head if sep and head and _is_number(tail) else arg, scale))  # the path as typed
+        return cls(config=config, preset=preset, loras=tuple(loras), vae=vae)
+
+    @property
+    def single_file_only(self) -> bool:
+        return self.config is not None or self.preset is not None
+
+    @property
+    def changes_weights(self) -> bool:
+        return bool(self.loras) or self.vae is not None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.single_file_only or self.changes_weights)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def read_source(
+    src: str | os.PathLike,
+    *,
+    variant: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    config: str | os.PathLike | None = None,
+    preset: str | None = None,
+    log: Log | None = None,
+) -> Checkpoint:
+    """Any supported source as a Checkpoint (tensors memory-mapped where the format allows).
+
+    config, preset: for a single-file source only (see `ModelOptions`); an error for any other.
+    """
+    log = log or (lambda _msg: None)
+    path = Path(src)
+    if path.is_file():
+        return _read_single_file(path, log, config=config, preset=preset)
+    if config is not None or preset is not None:
+        flag = "--config" if config is not None else "--preset"
+        raise SdxError(f"{flag} applies to single-file checkpoints; {src} is not one (its configs are its own)")
+    if path.is_dir():
+        if model_folder.is_model_folder(path):
+            log(f"reading sdx folder {path}")
+            return sdx_folder.read_sdx_folder(path)
+        log(f"reading diffusers folder {path}")
+        return diffusers_folder.read_diffusers_folder(path, variant=variant, log=log)
+    if path.exists() or path.is_symlink():
+        raise SdxError(f"{src}: neither a folder nor a file")
+    text = str(src)
+    if looks_local(text) or not hub.looks_like_repo_id(text):
+        raise SdxError(f"{src}: no such file or folder (and not a hub id of the form org/name)")
+    folder = hub.fetch(text, variant=variant, revision=revision, cache_dir=cache_dir, log=log)
+    return diffusers_folder.read_diffusers_folder(folder, variant=variant, log=log)
+
+
+def looks_local(text: str) -> bool:
+    return text.startswith((".", "/", "~")) or os.sep + os.sep in text or text.endswith(os.sep)
+
+
+def _read_single_file(path: Path, log: Log, *, config=None, preset=None) -> Checkpoint:
+    from convert import single_file
+
+    log(f"reading single-file checkpoint {path}" + (f" with the configs of {config}" if config else ""))
+    return single_file.read_single_file(path, config, preset=preset)
+
+
+# --------------------------------------------------------------------------------------------------
+# --lora, --vae: where the files are
+
+
+def _hub_or_error(spec: str, flag: str) -> tuple[str, str | None]:
+    split = None if looks_local(spec) else hub.split_hub_path(spec)
+    if split is None:
+        raise SdxError(f"{flag} {spec}: no such file or folder (nor a hub id org/name or org/name/FILE)")
+    return split
+
+
+class _recording:
+    """A `choose(listing)` for `hub.fetch_files` that remembers what it picked."""
+
+    def __init__(self, choose: Callable[[list[str]], list[str]]):
+        self.choose, self.picked = choose, []
+
+    def __call__(self, listing: list[str]) -> list[str]:
+        self.picked = self.choose(listing)
+        return self.picked
+
+
+def resolve_lora(spec: str, *, cache_dir: str | Path | None = None, log: Log | None = None) -> Path:
+    """The local file of a `--lora` argument: a path, or a hub `org/name/file.safetensors` (or `org/name`
+    holding pytorch_lora_weights.safetensors or exactly one .safetensors file), downloaded."""
+    if Path(spec).is_file():
+        return Path(spec)
+    if Path(spec).is_dir():
+        raise SdxError(f"--lora {spec}: is a folder; give the LoRA's .safetensors file")
+    repo, file = _hub_or_error(spec, "--lora")
+
+    def choose(listing: list[str]) -> list[str]:
+        where = f"--lora {spec}: hub repo {repo!r}"
+        if file is not None:
+            if file not in listing:
+                raise SdxError(f"{where} has no file {file}")
+            return [file]
+        if "pytorch_lora_weights.safetensors" in listing:
+            return ["pytorch_lora_weights.safetensors"]
+        found = [f for f in listing if f.endswith(".safetensors")]
+        if len(found) == 1:
+            return found
+        if not found:
+            raise SdxError(f"{where} has no .safetensors file (LoRAs are read from safetensors only)")
+        raise SdxError(f"{where} has several .safetensors files ({', '.join(found[:6])}); name one: "
+                       f"--lora {repo}/FILE[:SCALE]")
+
+    chosen = _recording(choose)
+    folder = hub.fetch_files(repo, chosen, cache_dir=cache_dir, log=log)
+    return folder / chosen.picked[0]
+
+
+def resolve_vae(spec: str, *, variant: str | None = None, cache_dir: str | Path | None = None,
+                log: Log | None = None) -> Path:
+    """The local folder or file of a `--vae` argument (a hub id is downloaded: only the VAE's config and
+    weights, from a VAE repo or from a pipeline repo's vae/ folder; `org/name/FILE` for a single file)."""
+    if Path(spec).exists():
+        return Path(spec)
+    repo, file = _hub_or_error(spec, "--vae")
+    where = f"--vae {spec}: hub repo {repo!r}"
+
+    def choose(listing: list[str]) -> list[str]:
+        if file is not None:
+            if file not in listing:
+                raise SdxError(f"{where} has no file {file}")
+            return [file]
+        for sub in ("", "vae/"):
+            if f"{sub}config.json" in listing:
+                names = [f[len(sub):] for f in listing if f.startswith(sub) and "/" not in f[len(sub):]]
+                choice = diffusers_folder.choose_weights(names, "diffusers", variant, where=f"{where}: {sub or '/'}")
+                return [f"{sub}config.json", *(sub + f for f in choice.files)]
+        raise SdxError(f"{where} is neither a VAE repo (config.json) nor a pipeline repo (vae/config.json); "
+                       f"for a single VAE file give --vae {repo}/FILE.safetensors")
+
+    chosen = _recording(choose)
+    folder = hub.fetch_files(repo, chosen, cache_dir=cache_dir, log=log)
+    if file is not None:
+        return folder / file
+    return folder / "vae" if chosen.picked[0].startswith("vae/") else folder
+
+
+_VAE_ARCHITECTURE = ("in_channels", "out_channels", "block_out_channels", "layers_per_block", "latent_channels",
+                     "norm_num_groups", "use_quant_conv", "use_post_quant_conv", "mid_block_add_attention")
+
+
+def read_vae_source(path: Path, pipeline_vae_config: dict, *, variant: str | None = None) -> tuple[dict, dict]:
+    """(config.json dict, diffusers-keyed tensors) of the VAE at `path` (see `resolve_vae`). A single
+    file has no config: it takes the pipeline's (so the pipeline's scaling factor)."""
+    where = f"--vae {path}"
+    if path.is_file():
+        from convert import single_file
+
+        try:
+            return dict(pipeline_vae_config), single_file.read_vae(path, pipeline_vae_config)
+        except SdxError as e:
+            raise SdxError(f"{where}: does not fit the model's VAE: {e}") from None
+    if model_folder.is_model_folder(path):
+        ckpt = sdx_folder.read_sdx_folder(path)
+        if "vae" not in ckpt.tensors:
+            raise SdxError(f"{where}: this sdx folder has no vae")
+        return ckpt.configs["vae"], ckpt.tensors["vae"]
+    if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file():
+        path = path / "vae"  # a pipeline folder: its VAE
+    if not (path / "config.json").is_file():
+        raise SdxError(f"{where}: not a VAE folder (no config.json), a pipeline folder (no vae/config.json), "
+                       "an sdx folder or a VAE file")
+    config = io.read_json(path / "config.json", obj=True)
+    cls = config.get("_class_name", "AutoencoderKL")
+    if cls != "AutoencoderKL":
+        raise SdxError(f"{where}: its config.json describes a {cls}, not an AutoencoderKL")
+    names = sorted(p.name for p in path.iterdir() if p.is_file())
+    choice = diffusers_folder.choose_weights(names, "diffusers", variant, where=str(path))
+    return config, diffusers_folder.normalize_vae(diffusers_folder.read_weights(path, choice))
+
+
+def swap_vae(ckpt: Checkpoint, path: Path, *, variant: str | None = None, log: Log | None = None) -> None:
+    """Replace `ckpt`'s VAE (config and weights) by the one at `path`, which must have the same architecture;
+    its own latent scaling (scaling_factor, shift_factor) and force_upcast come with it."""
+    from sdx.vae import VAEConfig
+
+    log = log or (lambda _msg: None)
+    if "vae" not in ckpt.configs:
+        raise SdxError(f"--vae {path}: the model has no VAE to replace")
+    config, tensors = read_vae_source(path, ckpt.configs["vae"], variant=variant)
+    try:
+        new = VAEConfig.from_diffusers_config(config)
+    except SdxError as e:
+        raise SdxError(f"--vae {path}: {e}") from None
+    old = VAEConfig.from_diffusers_config(ckpt.configs["vae"])
+    diff = [f"{k} {getattr(new, k)} (the model's: {getattr(old, k)})" for k in _VAE_ARCHITECTURE
+            if getattr(new, k) != getattr(old, k)]
+    if diff:
+        raise SdxError(f"--vae {path}: its architecture differs from the model's VAE: {'; '.join(diff)}")
+    ckpt.configs["vae"], ckpt.tensors["vae"] = config, tensors
+    log(f"vae: {path} (scaling_factor {new.scaling_factor}, force_upcast {new.force_upcast})")
+
+
+@contextlib.contextmanager
+def builtin_tokenizers(ckpt: Checkpoint, log: Log):
+    """Give a single file's Checkpoint the tokenizers it lacks, from sdx's built-in CLIP vocabulary with
+    the pad token its text encoders were trained with (the folders live until the `with` ends)."""
+    from convert import single_file
+    from sdx.tokenizer import write_builtin_folder
+
+    wanted = {f"tokenizer{c[len('text_encoder'):]}" for c in ckpt.tensors if c.startswith("text_encoder")}
+    missing = sorted(wanted - set(ckpt.tokenizers))
+    if not missing:
+        yield
+        return
+    specs = single_file.tokenizer_specs(ckpt)
+    with tempfile.TemporaryDirectory(prefix="sdx-tokenizers-") as tmp:
+        for name in missing:
+            ckpt.tokenizers[name] = write_builtin_folder(Path(tmp) / name, pad_token=specs[name]["pad_token"])
+            log(f"{name}: sdx's built-in CLIP vocabulary (pad token {specs[name]['pad_token']!r})")
+        yield
+
+
+def resolved(options: ModelOptions, *, variant, cache_dir, log) -> tuple[list[tuple[Path, float]], Path | None]:
+    """The local files of the options' LoRAs and VAE (downloading hub ones), for `apply_options`."""
+    loras = [(resolve_lora(spec, cache_dir=cache_dir, log=log), scale) for spec, scale in options.loras]
+    vae = resolve_vae(options.vae, variant=variant, cache_dir=cache_dir, log=log) if options.vae else None
+    return loras, vae
+
+
+def apply_options(ckpt: Checkpoint, loras: Sequence[tuple[Path, float]], vae: Path | None, *,
+                  variant: str | None = None, log: Log | None = None) -> Checkpoint:
+    """Swap the VAE and merge the LoRAs (in order) into `ckpt`, in place; returns it."""
+    from convert.lora import merge_lora
+
+    log = log or (lambda _msg: None)
+    if (loras or vae) and not ckpt.pipeline_class:
+        raise SdxError("--lora and --vae apply to a whole pipeline; this source is a standalone VAE")
+    if vae is not None:
+        swap_vae(ckpt, vae, variant=variant, log=log)
+    for path, scale in loras:
+        try:
+            merge_lora(ckpt, path, scale)
+        except SdxError as e:
+            raise SdxError(str(e) if str(path) in str(e) else f"--lora {path}: {e}") from None
+        log(f"merged LoRA {path} at scale {scale:g}")
+    return ckpt

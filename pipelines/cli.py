@@ -1,0 +1,282 @@
+"""`python -m sdx.sample`: text-to-image, img2img, SDXL base + refiner and InstructPix2Pix.
+
+    python -m sdx.sample --model stabilityai/stable-diffusion-xl-base-1.0 --prompt "a lighthouse" \
+        --steps 30 --dtype bfloat16 --output out.png
+
+--model takes an sdx folder, a diffusers folder, a single-file checkpoint, a hub id (converted once
+into the cache; --lora, --vae and --config are applied in that conversion) or a demo model name
+(`tiny`, `tiny_xl`: random weights, no download). The pipeline type comes from the model;
+--image makes it img2img (or InstructPix2Pix for such a model). Bad input ends with one `error:` line
+and exit status 2.
+
+The command lives in pipelines/ since it uses convert/ and pipelines/; sdx/sample.py is only its documented
+entry point, which calls `main` at run time (sdx itself imports nothing above it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from sdx.errors import SdxError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every sdx error
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _size(text: str) -> tuple[int, int]:
+    parts = text.lower().replace(",", "x").split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HEIGHTxWIDTH, e.g. 1024x1024")
+    return int(parts[0]), int(parts[1])
+
+
+def parser() -> argparse.ArgumentParser:
+    from sdx.schedulers import SCHEDULERS
+
+    p = _Parser(prog="python -m sdx.sample", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny",
+                   help="sdx folder, diffusers folder, single-file checkpoint, hub id, or demo model (tiny, tiny_xl)")
+    p.add_argument("--config", metavar="FOLDER",
+                   help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
+                        "describe it, instead of the built-in preset its keys point to")
+    p.add_argument("--preset", metavar="NAME",
+                   help="single-file --model: read it as this preset, e.g. sd21 for an SD 2.x-base epsilon file")
+    p.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
+                   help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into --model "
+                        "at SCALE (default 1.0); repeatable")
+    p.add_argument("--vae", metavar="MODEL",
+                   help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "
+                        "instead of the model's; also for --refiner")
+    p.add_argument("--prompt", nargs="+", required=True, help="one or more prompts")
+    p.add_argument("--prompt-2", nargs="+", help="SDXL: prompts for the second text encoder (default: --prompt)")
+    p.add_argument("--negative-prompt", nargs="+", help="one, or one per prompt")
+    p.add_argument("--negative-prompt-2", nargs="+", help="SDXL: for the second text encoder")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--guidance-scale", type=float, default=None, help="default 7.5 (5.0 for SDXL)")
+    p.add_argument("--guidance-rescale", type=float, default=0.0)
+    p.add_argument("--image", help="input image: img2img, or the image an InstructPix2Pix model edits")
+    p.add_argument("--strength", type=float, default=None, help="img2img: how much to change (default 0.8, SDXL 0.3)")
+    p.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
+    p.add_argument("--height", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    p.add_argument("--batch-size", type=int, help="images per compiled call (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's scheduler_config.json")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
+    p.add_argument("--overwrite", action="store_true", help="replace existing files")
+    p.add_argument("--refiner", help="SDXL refiner model, run after the base (ensemble of experts)")
+    p.add_argument("--high-noise-frac", type=float, default=0.8, help="where the base hands over to the refiner")
+    p.add_argument("--latents", help="initial noise, .npy (images, channels, height/f, width/f) float32 as diffusers' latents=")
+    p.add_argument("--long-prompt", choices=("truncate", "chunk"), default="truncate",
+                   help="prompts over 77 tokens: cut (diffusers) or encode in 75-token chunks")
+    p.add_argument("--clip-skip", type=int, help="use the text encoder output this many layers earlier")
+    p.add_argument("--original-size", type=_size, help="SDXL micro-conditioning, HxW")
+    p.add_argument("--target-size", type=_size, help="SDXL micro-conditioning, HxW")
+    p.add_argument("--crops-top-left", type=_size, default=(0, 0), help="SDXL micro-conditioning, TOPxLEFT")
+    p.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
+    p.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
+    p.add_argument("--attention", choices=("xla", "cudnn", "chunked"), default="xla")
+    p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
+    p.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
+    p.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None) -> Path:
+    """An sdx folder for `spec` (demo name, sdx folder, diffusers folder, single file or hub id), with
+    `options` (a `convert.sources.ModelOptions`: LoRAs, VAE, config folder) applied in a cached conversion."""
+    from convert.library import ensure_sdx_folder
+    from convert.sources import ModelOptions
+    from pipelines.demo import DEMO_MODELS, demo_folder
+
+    options = options or ModelOptions()
+    if spec in DEMO_MODELS and not Path(spec).exists():
+        log(f"{spec}: the embedded demo model (random weights, no download)")
+        folder = demo_folder(spec, cache / "models")
+        if options.empty:
+            return folder
+        spec = str(folder)
+    return ensure_sdx_folder(spec, dtype=dtype, cache_dir=cache / "models", options=options, log=log)
+
+
+def load_image(path: str, size: tuple[int, int] | None, multiple: int) -> np.ndarray:
+    """(1, H, W, 3) float32 in [-1, 1]. Resized (Lanczos) to `size` when given, else cropped down to a multiple."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+            if size is None:
+                size = (im.height // multiple * multiple, im.width // multiple * multiple)
+                if min(size) == 0:
+                    raise SdxError(f"--image {path}: {im.width}x{im.height} is smaller than {multiple} pixels")
+            if (im.height, im.width) != size:
+                im = im.resize((size[1], size[0]), Image.LANCZOS)
+            arr = np.asarray(im, dtype=np.float32) / 255.0
+    except (OSError, UnidentifiedImageError) as e:
+        raise SdxError(f"--image {path}: cannot read the image ({e})") from None
+    return (arr * 2.0 - 1.0)[None]
+
+
+def load_latents(path: str) -> np.ndarray:
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise SdxError(f"--latents {path}: cannot read a .npy array ({e})") from None
+    return np.asarray(arr, dtype=np.float32)
+
+
+def output_paths(output: str, count: int, seed: int, overwrite: bool) -> list[Path]:
+    out = Path(output)
+    if out.suffix.lower() == ".png":
+        if count != 1:
+            raise SdxError(f"--output {output} is one file but {count} images are asked for; give a folder")
+        paths = [out]
+    else:
+        paths = [out / f"{seed}-{i:04d}.png" for i in range(count)]
+    existing = [str(p) for p in paths if p.exists()]
+    if existing and not overwrite:
+        raise SdxError(f"{existing[0]} exists; pass --overwrite to replace it or choose another --output")
+    return paths
+
+
+def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
+    """Atomically write an 8-bit PNG carrying `params` as JSON (`sdx`) and A1111-style text (`parameters`)."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("sdx", json.dumps(params, sort_keys=True))
+    a1111 = f"{params['prompt']}\nNegative prompt: {params.get('negative_prompt') or ''}\n" + ", ".join(
+        f"{k}: {params[v]}" for k, v in (("Steps", "steps"), ("Sampler", "scheduler"), ("CFG scale", "guidance_scale"),
+                                         ("Seed", "seed"), ("Size", "size"), ("Model", "model"))
+    )
+    info.add_text("parameters", a1111)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        Image.fromarray(pixels).save(tmp, format="PNG", pnginfo=info)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def run(args: argparse.Namespace) -> list[Path]:
+    from convert.library import default_cache_dir
+    from convert.sources import ModelOptions
+    from pipelines.pipeline import Pipeline, refine, to_uint8
+    from pipelines.request import Request, per_prompt
+    from pipelines.sampler import enable_compilation_cache
+    from sdx import mesh as meshlib
+
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    if not args.no_compilation_cache:
+        enable_compilation_cache(cache / "jax")
+    meshlib.initialize()
+    mesh = meshlib.make_mesh(args.fsdp)
+    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
+    folder = resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options)
+    pipe = Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.model)
+    refiner = None
+    if args.refiner:
+        if not pipe.family.xl or pipe.family.pix2pix:
+            raise SdxError("--refiner follows an SDXL base model; this model is not one")
+        ref_folder = resolve_model(args.refiner, dtype=args.dtype, cache=cache, log=log,
+                                   options=ModelOptions(vae=args.vae))
+        refiner = Pipeline.load(ref_folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.refiner)
+
+    size = (args.height, args.width) if args.height and args.width else None
+    image = load_image(args.image, size, pipe.multiple) if args.image else None
+    if image is not None:
+        height, width = image.shape[1:3]
+    else:
+        height, width = args.height or pipe.default_size, args.width or pipe.default_size
+    xl = pipe.family.xl
+    request = Request(
+        prompts=args.prompt, prompts_2=args.prompt_2, negative_prompts=args.negative_prompt,
+        negative_prompts_2=args.negative_prompt_2, height=height, width=width, steps=args.steps,
+        num_images_per_prompt=args.num_images, batch_size=args.batch_size, seed=args.seed,
+        guidance_scale=args.guidance_scale if args.guidance_scale is not None else (5.0 if xl else 7.5),
+        image_guidance_scale=args.image_guidance_scale, guidance_rescale=args.guidance_rescale,
+        strength=args.strength if args.strength is not None else (0.3 if xl else 0.8),
+        image=image, latents=load_latents(args.latents) if args.latents else None,
+        original_size=args.original_size, target_size=args.target_size, crops_coords_top_left=args.crops_top_left,
+        aesthetic_score=args.aesthetic_score, negative_aesthetic_score=args.negative_aesthetic_score,
+        clip_skip=args.clip_skip, long_prompt=args.long_prompt,
+    )
+    paths = output_paths(args.output, request.num_images, args.seed, args.overwrite)
+
+    compile_seconds = []
+    for p in filter(None, (pipe, refiner)):
+        p.sampler.compile_log = lambda plan, s: (compile_seconds.append(s), log(f"compiled in {s:.1f} s"))
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="denoising", unit="step", total=0, file=sys.stderr)
+    t0 = time.perf_counter()
+    if refiner is not None:
+        images = refine(pipe, refiner, request, args.high_noise_frac, bar)
+    else:
+        images = pipe(request, bar)
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    sampling = elapsed - sum(compile_seconds)
+    log(f"{len(images)} image(s) in {sampling:.2f} s sampling + {sum(compile_seconds):.1f} s compiling")
+
+    pixels = to_uint8(images)
+    scheduler_name = args.scheduler or type(pipe.scheduler).__name__
+    negatives = per_prompt(args.negative_prompt, len(args.prompt), "--negative-prompt")
+    for i, path in enumerate(paths):
+        prompt_index = i // args.num_images  # images are grouped by prompt
+        params = {
+            "prompt": request.prompts[prompt_index],
+            "negative_prompt": negatives[prompt_index] if negatives else None,
+            "seed": args.seed, "image_index": i, "steps": args.steps, "scheduler": scheduler_name,
+            "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
+            "size": f"{width}x{height}", "model": args.model, "dtype": args.dtype,
+        }
+        for key in ("prompt_2", "negative_prompt_2", "image", "refiner", "latents", "clip_skip", "lora", "vae"):
+            if getattr(args, key, None):
+                params[key] = getattr(args, key)
+        if args.image and pipe.family.pix2pix:
+            params["image_guidance_scale"] = request.image_guidance_scale
+        elif args.image:
+            params["strength"] = request.strength
+        save_png(path, pixels[i], params)
+        log(f"wrote {path}")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error already printed as one line
+        return int(e.code or 0)
+    try:
+        run(args)
+    except SdxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
