@@ -158,13 +158,10 @@ def write_single_file_checkpoint(
         raise SdxError(f"{out} exists; pass --overwrite to replace it")
     if ckpt.tensors.keys() != {"vae"}:
         sdx_folder.model_parts(ckpt)  # the same strict checks (shapes included) as every other writer
-    tensors = single_file.single_file_tensors(ckpt, lazy=True)
-    items = [(k, weights.lazy_cast(v, cast)) for k, v in tensors.items()]
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        io.write_safetensors(out, items, metadata={"format": "pt"})
+        count = single_file.write_single_file(ckpt, out, dtype=cast)
     except OSError as e:
         raise SdxError(f"cannot write {out}: {e.strerror or e}") from None
-    log(f"wrote {out} (single file, {len(items)} tensors, {dtype}); it holds no configs: read it back with its "
+    log(f"wrote {out} (single file, {count} tensors, {dtype}); it holds no configs: read it back with its "
         "preset or --config FOLDER")
     return out

@@ -45,7 +45,7 @@ import numpy as np
 
 from convert import single_file_keys as K
 from convert.checkpoint import Checkpoint
-from sdx import io, presets
+from sdx import io, presets, weights
 from sdx.errors import SdxError
 
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
@@ -445,14 +445,17 @@ def single_file_tensors(checkpoint: Checkpoint, *, lazy: bool = False) -> dict[s
     return out
 
 
-def write_single_file(checkpoint: Checkpoint, path) -> None:
-    """Write `checkpoint` as one safetensors file in the original SGM/LDM layout.
+def write_single_file(checkpoint: Checkpoint, path, *, dtype: np.dtype | None = None) -> int:
+    """Write `checkpoint` as one safetensors file in the original SGM/LDM layout, its floating tensors
+    cast to `dtype` (default: as they are); returns the number of tensors written.
 
     The configs (scheduler, prediction type) are not part of that layout; a reader gets them from
     the detected preset or a config folder. A VAE-only Checkpoint is written as a standalone VAE
     file (keys without the `first_stage_model.` prefix).
     """
     tensors = single_file_tensors(checkpoint, lazy=True)
+    items = [(k, v if dtype is None else weights.lazy_cast(v, dtype)) for k, v in tensors.items()]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    io.write_safetensors(path, tensors, metadata={"format": "pt"})
+    io.write_safetensors(path, items, metadata={"format": "pt"})
+    return len(items)

@@ -236,14 +236,6 @@ def is_float(dtype) -> bool:
 _ML_FLOATS = {np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)}
 
 
-def dtype_name(dtype) -> str:
-    dtype = np.dtype(dtype)
-    for name, d in DTYPES.items():
-        if d == dtype:
-            return name
-    raise SdxError(f"dtype {dtype} is not one sdx stores weights in ({', '.join(DTYPES)})")
-
-
 # --------------------------------------------------------------------------------------------------
 # Casting on the way out
 
