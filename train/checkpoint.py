@@ -1,0 +1,279 @@
+"""Resumable training checkpoints: a thin layer over an Orbax `CheckpointManager`.
+
+    ckpts = Checkpoints(output_dir / "checkpoints", keep=cfg.checkpoints_total_limit)
+    ckpts.save(step, state, meta) -> bool      # asynchronous: returns once the arrays are on the host
+    ckpts.latest() -> int | None               # newest *complete* checkpoint on disk
+    ckpts.steps() -> list[int]                 # every complete checkpoint, oldest first
+    ckpts.restore(step_or_path, like) -> (state, meta)
+    ckpts.wait(); ckpts.close()                # (also a context manager)
+    resolve(cfg.resume_from_checkpoint, output_dir) -> Path | None
+
+What a checkpoint holds is only what changes during training: `state`, a pytree of arrays (the
+trainable parameters, the optax state, the EMA shadow, the step count, a PRNG key — typed keys are
+fine), and `meta`, a small JSON dict (the data iterator's position, the config, ...). Frozen models
+(VAE, text encoders) never go in; they are reloaded from the model folder.
+
+Layout (Orbax's), one folder per optimizer step under `output_dir/checkpoints/`:
+
+    output_dir/checkpoints/500/state/         the arrays (OCDBT / zarr), one file set per host
+    output_dir/checkpoints/500/meta/metadata  the JSON dict
+    output_dir/checkpoints/500/_CHECKPOINT_METADATA, commit_success.txt
+    output_dir/checkpoints/1000.orbax-checkpoint-tmp/   a save in flight (or cut off by a crash)
+
+Atomicity: Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only
+after every host's writes have finished (the rename is the commit; on object stores without an atomic
+rename it writes `commit_success.txt` instead). Only committed folders count as checkpoints here:
+`latest`, `steps` and `resolve` never return a folder whose write was interrupted, and a new
+`Checkpoints` removes the leftovers of interrupted writes.
+
+Asynchrony: `save` waits for the previous save to be committed, copies every array to host memory
+(Orbax's synchronous device-to-host transfer when no `save_device_host_concurrent_gb` limit is set,
+which is never set here), and returns; the files are written by a background thread. The caller may
+then donate or overwrite the state's buffers: the checkpoint holds its own host copy (on the CPU
+backend a zero-copy view that keeps the buffer alive: XLA then declines the donation and copies).
+
+Steps: saving a step this object already saved does nothing (returns False), e.g. the stop checkpoint
+right after the periodic one of the same step. Checkpoints this object did not write that lie beyond
+the point the current run started from (the step it restored from this directory, else the step being
+saved) belong to an abandoned run (resumed from an earlier step, or started afresh in the same
+folder); they are deleted before the first save, with a log line, so that "latest" always names the
+newest state of the current run. Nothing is deleted before that first save.
+
+Multi-host: every process calls every method with the same arguments; Orbax synchronises the hosts,
+each writes its own shards, and the primary host commits. Nothing here is host-specific.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import tree as ocp_tree
+
+from sdx.errors import SdxError
+
+STATE, META = "state", "meta"
+CHECKPOINTS_DIR = "checkpoints"  # under --output_dir
+
+
+def _handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {STATE: ocp.StandardCheckpointHandler(), META: ocp.JsonCheckpointHandler()}
+
+
+def _is_complete(path: Path) -> bool:
+    """A committed checkpoint folder: not a temporary one, and both items present."""
+    return (path.is_dir() and ocp.step.is_path_finalized(path)
+            and (path / STATE).is_dir() and (path / META).is_dir())
+
+
+def _is_temporary(path: Path) -> bool:
+    return ocp.step.TMP_DIR_SUFFIX in path.name
+
+
+def complete_steps(directory: str | os.PathLike) -> list[int]:
+    """The committed checkpoints' steps in `directory`, oldest first (in-flight or cut-off writes excluded)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = ocp.step.standard_name_format().find_all(directory)
+    return sorted(m.step for m in found if _is_complete(Path(m.path)))
+
+
+def _abstract(leaf: Any) -> Any:
+    """Shape, dtype and sharding of a leaf of the live state: the restore target."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    return ocp.utils.to_shape_dtype_struct(leaf)
+
+
+def _describe(path: tuple[str, ...]) -> str:
+    return ".".join(path) or "<root>"
+
+
+def _check_matches(saved: Mapping[tuple[str, ...], Any], wanted: Mapping[tuple[str, ...], Any], where: Path) -> None:
+    """Every array of the training state is in the checkpoint with its shape and dtype, and nothing else is."""
+    problems = []
+    for key in sorted(wanted.keys() - saved.keys()):
+        problems.append(f"{_describe(key)} is not in the checkpoint")
+    for key in sorted(saved.keys() - wanted.keys()):
+        problems.append(f"{_describe(key)} is in the checkpoint but not in this run's state")
+    for key in sorted(saved.keys() & wanted.keys()):
+        have, want = saved[key], wanted[key]
+        if not hasattr(want, "shape") or not hasattr(have, "shape"):
+            continue
+        # a typed PRNG key is stored as its raw uint32 data
+        want_shape, want_dtype = tuple(want.shape), want.dtype
+        if jax.dtypes.issubdtype(want_dtype, jax.dtypes.prng_key):
+            continue
+        if tuple(have.shape) != want_shape or have.dtype != want_dtype:
+            problems.append(f"{_describe(key)}: the checkpoint has {have.dtype}{list(have.shape)}, "
+                            f"this run {want_dtype}{list(want_shape)}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise SdxError(f"checkpoint {where} does not match this run's training state (was it written with another "
+                       f"model, optimizer or EMA setting?): {shown}")
+
+
+class Checkpoints:
+    """Save, list and restore training checkpoints in `directory` (see the module docstring).
+
+    keep: keep only the newest `keep` checkpoints (diffusers' `checkpoints_total_limit`); None keeps all.
+    async_save: write in a background thread (False: `save` returns once the checkpoint is committed).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep: int | None = None, async_save: bool = True):
+        if keep is not None and keep < 1:
+            raise ValueError(f"keep must be at least 1 or None, got {keep}")
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            create=True,
+            cleanup_tmp_directories=True,  # the leftovers of writes cut off by a crash
+            enable_async_checkpointing=async_save,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        self._written: set[int] = set()  # steps this object saved
+        self._resumed_from: int | None = None  # the step restored from this directory, if any
+        self._closed = False
+
+    # -- writing
+
+    def save(self, step: int, state: Any, meta: Mapping[str, Any], *, force: bool = False) -> bool:
+        """Start writing checkpoint `step`; returns False when this object already saved that step.
+
+        Waits for the previous save to be committed, then returns as soon as `state`'s arrays are copied
+        to the host (the caller may donate them right after). `meta` must be a JSON-able dict.
+        force: also wait until this checkpoint is committed (the last one before the process exits).
+        """
+        step = int(step)
+        if step in self._written:
+            if force:
+                self.wait()
+            return False
+        try:
+            meta = json.loads(json.dumps(dict(meta), allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"checkpoint meta must be a JSON-able dict: {e}") from None
+        self._manager.wait_until_finished()
+        self._manager.reload()  # the manager's list of steps, read from disk
+        last_good = step - 1 if self._resumed_from is None else min(self._resumed_from, step - 1)
+        stale = [s for s in self._manager.all_steps() if s > last_good and s not in self._written]
+        for s in stale:  # left by a run that went further than the point this one started from
+            _stderr(f"removing checkpoint {self.path(s)}: this run resumed from an earlier step")
+            self._manager.delete(s)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+        # force=True to Orbax: the caller decides when to save (Orbax's own policy would skip steps)
+        self._manager.save(step, args=args, force=True)
+        self._written.add(step)
+        if force:
+            self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raises what its background write raised."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Wait for the save in flight and release Orbax's threads. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._manager.close()
+
+    def __enter__(self) -> Checkpoints:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- reading
+
+    def steps(self) -> list[int]:
+        """Steps of the committed checkpoints on disk, oldest first (a save in flight is not one yet)."""
+        return complete_steps(self.directory)
+
+    def latest(self) -> int | None:
+        """The newest committed checkpoint's step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def path(self, step: int) -> Path:
+        return self.directory / str(int(step))
+
+    def restore(self, checkpoint: int | str | os.PathLike, like: Any) -> tuple[Any, dict[str, Any]]:
+        """Read checkpoint `checkpoint` (a step in this directory, or a checkpoint folder anywhere).
+
+        like: the live training state (or its `jax.ShapeDtypeStruct`s): the restored state has its tree
+        structure (namedtuples, dataclasses, nnx.State), dtypes and shardings, so a state restored onto a
+        mesh is laid out as the state it replaces. Every array must be in the checkpoint with the same
+        shape and dtype (SdxError naming the differences otherwise).
+        """
+        self.wait()  # a checkpoint in flight may be the one asked for
+        path = self.path(checkpoint) if isinstance(checkpoint, int) else Path(checkpoint)
+        if not _is_complete(path):
+            raise SdxError(f"{path} is not a complete checkpoint")
+        out = restore(path, like)
+        if path.absolute().parent == self.directory and path.name.isdigit():
+            self._resumed_from = int(path.name)
+        return out
+
+
+def restore(path: str | os.PathLike, like: Any) -> tuple[Any, dict[str, Any]]:
+    """`Checkpoints.restore` for one checkpoint folder, without a manager (see there)."""
+    path = Path(path).absolute()
+    target = jax.tree.map(_abstract, like)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler(**_handlers())) as ckptr:
+        saved = ckptr.metadata(path).item_metadata[STATE]
+        saved_flat = ocp_tree.to_flat_dict(saved.tree if hasattr(saved, "tree") else saved)
+        wanted_flat = ocp_tree.to_flat_dict(ocp_tree.serialize_tree(target, keep_empty_nodes=False))
+        _check_matches(saved_flat, wanted_flat, path)
+        args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()})
+        out = ckptr.restore(path, args=args)
+    return out[STATE], dict(out[META])
+
+
+def _stderr(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, file=sys.stderr)
+
+
+def resolve(resume_from_checkpoint: str | os.PathLike | None, output_dir: str | os.PathLike, *,
+            log: Callable[[str], None] = _stderr) -> Path | None:
+    """diffusers' `--resume_from_checkpoint`: the checkpoint folder to resume from, or None to start fresh.
+
+    None or "": start fresh. "latest": the newest committed checkpoint in `output_dir/checkpoints`, or
+    None (with a log line, as diffusers) when there is none. Anything else names one checkpoint folder:
+    a path, or a folder name (a step) inside `output_dir/checkpoints`; one that does not exist, is not a
+    checkpoint or whose write was interrupted is an SdxError.
+    """
+    if resume_from_checkpoint is None or str(resume_from_checkpoint) == "":
+        return None
+    root = Path(output_dir) / CHECKPOINTS_DIR
+    if str(resume_from_checkpoint) == "latest":
+        steps = complete_steps(root)
+        if not steps:
+            log(f"no checkpoint in {root} to resume from; starting a new training run")
+            return None
+        return (root / str(steps[-1])).absolute()
+    given = Path(resume_from_checkpoint)
+    path = given if given.exists() or given.is_absolute() else root / given
+    flag = f"--resume_from_checkpoint {resume_from_checkpoint}"
+    if not path.exists():
+        raise SdxError(f"{flag}: {given} does not exist (nor {root / given}); name a checkpoint folder such as "
+                       f"{root / '500'}, or 'latest'")
+    if not path.is_dir():
+        raise SdxError(f"{flag}: {path} is a file, not a checkpoint folder")
+    if _is_temporary(path):
+        raise SdxError(f"{flag}: {path} is a checkpoint whose write was interrupted; use a complete one or 'latest'")
+    if not _is_complete(path):
+        if complete_steps(path):
+            raise SdxError(f"{flag}: {path} is a folder of checkpoints; name one of them "
+                           f"(e.g. {path / str(complete_steps(path)[-1])}) or use 'latest'")
+        raise SdxError(f"{flag}: {path} is not a checkpoint folder (one holds {STATE}/ and {META}/, "
+                       f"e.g. {root / '500'})")
+    return path.absolute()

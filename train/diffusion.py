@@ -1,0 +1,160 @@
+"""The UNet fine-tuning task behind `python -m train.text_to_image` and `python -m train.pix2pix`.
+
+What differs between the two is small and decided by the config: the columns read, the UNet's input
+(InstructPix2Pix adds the input image's latents on 4 more channels) and the conditioning dropout
+(text-to-image: `--proportion_empty_prompts`; InstructPix2Pix: `--conditioning_dropout_prob` for text,
+image and both). The null text conditioning is the one the pipeline uses at inference
+(`pipelines.guidance.null_conditioning`), computed once.
+
+SDXL's time ids per sample: the image's original (height, width) before resizing, the (top, left) of
+the crop actually applied (after the flip), and the target (resolution, resolution).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from PIL import Image
+
+from pipelines import text as textlib
+from pipelines.pipeline import Pipeline, _trained_size
+from pipelines.sampler import Sampler
+from pipelines.request import Request
+from sdx import mesh as meshlib
+from sdx import model_folder, schedulers
+from sdx.errors import SdxError
+from train import data, denoise, export, models, sources
+from train.config import TrainConfig
+
+
+def tokenizer_fn(family, tokenizers):
+    """text -> {encoder: (1, 77) int32} for the data loader (each SDXL encoder reads the same caption)."""
+    from pipelines.family import TOKENIZER_OF
+
+    def tokenize(text: str) -> dict[str, np.ndarray]:
+        return {e: tokenizers[TOKENIZER_OF[e]].encode([text]).ids for e in family.encoders}
+
+    return tokenize
+
+
+class DiffusionTask:
+    def __init__(self, cfg: TrainConfig, mesh, log=print):
+        self.cfg, self.mesh, self.log = cfg, mesh, log
+        self.folder = models.resolve_folder(cfg, log)
+        m = self.models = models.load(cfg, mesh, folder=self.folder, log=log)
+        self.module = m.unet
+        fam = m.family
+        sched = schedulers.from_name("ddpm", m.scheduler_config)
+        prediction_type = cfg.prediction_type or sched.prediction_type
+        self.loss_config = denoise.DenoiseConfig(
+            family=fam, scheduler=sched, vae=m.vae.config, prediction_type=prediction_type,
+            snr_gamma=cfg.snr_gamma, noise_offset=cfg.noise_offset, input_perturbation=cfg.input_perturbation,
+            text_drop=cfg.proportion_empty_prompts, conditioning_dropout=cfg.conditioning_dropout_prob or 0.0,
+        )
+        self.prediction_type = prediction_type
+        self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
+                                        random_flip=cfg.random_flip, seed=cfg.seed,
+                                        tokenize=tokenizer_fn(fam, m.tokenizers))
+        text_dtype = models.computes(cfg)["text"].dtype
+        self.null = null_conditioning(fam, m.encoders, m.tokenizers, text_dtype)
+        graphdef, self._frozen = nnx.split(nnx.Dict({"vae": m.vae, **m.encoders}))
+
+        def encode(frozen, batch):
+            mods = nnx.merge(graphdef, frozen)
+            return denoise.encode_batch(fam, mods["vae"], {e: mods[e] for e in fam.encoders}, batch, text_dtype)
+
+        self._encode = jax.jit(encode)
+
+    # ---- what the loop calls
+
+    def host_arrays(self, host: dict) -> dict:
+        """The loader's numpy batch -> the arrays the frozen encoders read."""
+        fam, res = self.models.family, self.cfg.resolution
+        out = {"index": np.asarray(host["index"]), "ids": {e: host["ids"][e] for e in fam.encoders}}
+        for k in ("pixels", "original_pixels", "edited_pixels"):
+            if k in host:
+                out[k] = host[k]
+        if fam.xl:
+            n = len(out["index"])
+            target = np.broadcast_to(np.asarray([res, res], np.float32), (n, 2))
+            out["time_ids"] = np.concatenate([host["original_size"], host["crop_top_left"], target], axis=1).astype(np.float32)
+        return out
+
+    def step_batch(self, host: dict) -> dict:
+        arrays = meshlib.put_batch(self.mesh, self.host_arrays(host))
+        return self._encode(self._frozen, arrays)
+
+    def batch_shapes(self, host: dict) -> dict:
+        arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), self.host_arrays(host))
+        return jax.eval_shape(self._encode, self._frozen, arrays)
+
+    def loss_fn(self, graphdef):
+        return denoise.loss_fn(graphdef, self.loss_config, self.null)
+
+    def validate(self, unet: nnx.Module, step: int, out: Path, metrics) -> None:
+        cfg, m = self.cfg, self.models
+        factor = m.vae.config.downsample_factor
+        pipe = Pipeline(family=m.family, scheduler=schedulers.from_config(m.scheduler_config), tokenizers=m.tokenizers,
+                        sampler=Sampler({"unet": unet, "vae": m.vae, **m.encoders}, self.mesh), factor=factor,
+                        multiple=factor, channels=m.vae.config.latent_channels,
+                        default_size=_trained_size(unet.config.sample_size) * factor, name=f"{cfg.output_dir}@{step}")
+        image = None
+        if m.family.pix2pix:
+            image = data.load_image(cfg.val_image_url_or_path, cfg.resolution)[None]
+        size = cfg.resolution
+        images = pipe(Request(prompts=list(cfg.validation_prompt), height=size, width=size,
+                              steps=cfg.validation_inference_steps, num_images_per_prompt=cfg.num_validation_images,
+                              seed=cfg.seed, image=image,
+                              guidance_scale=5.0 if m.family.xl else 7.5))
+        grid = _grid((images * 255).round().astype(np.uint8), cfg.num_validation_images)
+        if jax.process_index() == 0:
+            folder = out / "validation"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(grid).save(folder / f"step-{step:06d}.png")
+            metrics.image(step, "validation", grid)
+
+    def export(self, unet: nnx.Module, out: Path) -> None:
+        m = self.models
+        entry = m.spec["components"]["unet"]
+        part = model_folder.ModelPart(cls=entry["class"], config=unet.config,
+                                      arrays=model_folder.module_arrays(unet), source_config=m.unet_source_config)
+        if jax.process_index() == 0:
+            export.write_model(out, source=m.folder, spec=m.spec, pipeline_class=m.pipeline_class,
+                               models={"unet": part}, export_format=self.cfg.export_format, log=self.log)
+
+
+def null_conditioning(family, encoders, tokenizers, dtype) -> dict[str, jax.Array]:
+    """The conditioning of no prompt, without a batch axis, as the pipeline's negative branch has it:
+    zeros under SDXL's force_zeros_for_empty_prompt, else the encoding of "" ({"context"} plus "pooled"
+    for SDXL). diffusers' SDXL training script encodes "" where its pipeline uses zeros; sdx follows the
+    pipeline."""
+    ids = textlib.tokenize(family, tokenizers, [[""]] * len(family.encoders), chunks=None)
+    context, pooled = textlib.encode(family, encoders, {k: jnp.asarray(v) for k, v in ids.items()}, None, dtype)
+    out = {"context": context[0]} | ({} if pooled is None else {"pooled": pooled[0]})
+    return jax.tree.map(jnp.zeros_like, out) if family.force_zeros else out
+
+
+def _grid(images: np.ndarray, columns: int) -> np.ndarray:
+    """(N, H, W, 3) uint8 -> one (rows * H, columns * W, 3) picture."""
+    n, h, w, c = images.shape
+    rows = -(-n // columns)
+    padded = np.zeros((rows * columns, h, w, c), np.uint8)
+    padded[:n] = images
+    return padded.reshape(rows, columns, h, w, c).transpose(0, 2, 1, 3, 4).reshape(rows * h, columns * w, c)
+
+
+def open_data(cfg: TrainConfig) -> "sources.Source":
+    """The dataset with this task's columns (a missing column is an error naming the ones found)."""
+    if cfg.task == "pix2pix":
+        columns = sources.Columns(images=(cfg.original_image_column, cfg.edited_image_column),
+                               text=cfg.edit_prompt_column, names=("original_pixels", "edited_pixels"))
+    else:
+        columns = sources.Columns(images=(cfg.image_column,), text=cfg.caption_column, names=("pixels",))
+    spec = cfg.dataset_name or cfg.train_data_dir
+    if cfg.task == "pix2pix" and cfg.validation_prompt and not Path(cfg.val_image_url_or_path).is_file():
+        raise SdxError(f"--val_image_url_or_path {cfg.val_image_url_or_path}: no such file")
+    return sources.open_source(spec, columns, max_samples=cfg.max_train_samples, seed=cfg.seed, cache_dir=cfg.cache_dir)

@@ -1,0 +1,72 @@
+"""Writing the trained model: an sdx folder in --output_dir itself, optionally a diffusers folder too.
+
+`python -m sdx.sample --model OUTPUT_DIR` loads the result. The output folder also holds checkpoints,
+logs and validation images, so the model is built complete in a temporary folder beside it and its
+entries are then moved in one by one with `os.replace`, `sdx.json` last: a reader never sees a spec
+that names files not yet in place. The frozen models (VAE, text encoders) and tokenizers are copied
+from the source folder unchanged; the UNet is the trained one (the EMA weights when EMA is on).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from convert import library as convert_lib
+from sdx import model_folder
+from sdx.errors import SdxError
+
+
+def write_model(
+    out: Path,
+    *,
+    source: Path,
+    spec: Mapping,
+    pipeline_class: str,
+    models: Mapping[str, model_folder.ModelPart | None],
+    export_format: str = "sdx",
+    log=print,
+) -> Path:
+    """Write the sdx folder into `out`. models: {component: new ModelPart, or None to copy the source's}."""
+    parts = {}
+    for name, entry in spec["components"].items():
+        if name not in model_folder.MODEL_KINDS:
+            continue
+        part = models.get(name)
+        if part is None:
+            part = model_folder.ModelPart(
+                cls=entry["class"], config=model_folder.model_config(source, name, spec=spec),
+                arrays=model_folder.read_arrays(source, name, spec=spec), source_config=entry.get("source_config"),
+            )
+        parts[name] = part
+    tokenizers = {n: model_folder.tokenizer_folder(source, n, spec=spec)
+                  for n in spec["components"] if n in model_folder.TOKENIZERS}
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".model-", dir=out) as tmp:
+        built = model_folder.write_model_folder(
+            Path(tmp) / "model", pipeline_class=pipeline_class, models=parts, tokenizers=tokenizers,
+            scheduler=model_folder.scheduler_config(source, spec=spec), extra=spec["extra"], dtype="float32",
+        )
+        entries = sorted(built.iterdir(), key=lambda p: p.name == model_folder.SPEC_FILE)  # the spec last
+        for entry in entries:
+            target = out / entry.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(entry, target)
+    log(f"model written to {out} (python -m sdx.sample --model {out})")
+    if export_format == "diffusers":
+        convert_lib.convert(out, out / "diffusers", fmt="diffusers", overwrite=True, log=lambda _m: None)
+        log(f"diffusers folder written to {out / 'diffusers'}")
+    return out
+
+
+def unet_part(spec: Mapping, config, arrays: Mapping[str, np.ndarray], source_config) -> model_folder.ModelPart:
+    entry = spec["components"]["unet"]
+    if set(arrays) != set(model_folder.MODEL_KINDS["unet"].param_shapes(config)):
+        raise SdxError("the trained UNet's parameters do not match its config")
+    return model_folder.ModelPart(cls=entry["class"], config=config, arrays=arrays, source_config=source_config)

@@ -1,0 +1,217 @@
+"""The training loop every task shares: data, compiled step, checkpoints, metrics, validation, export.
+
+    run(cfg, task) -> exit status
+
+A `Task` (train/diffusion.py for text-to-image and InstructPix2Pix, train/vae.py for the VAE) says what
+differs: which module trains, how a host batch becomes the step's batch (tokens, time ids, the frozen
+encoders), the loss, validation and what is exported. Everything here is the same for all of them:
+
+1. everything the user gave is checked before any heavy work (files, columns, the output folder);
+2. models are loaded and placed on the mesh, the step is compiled ahead of time once;
+3. the loop runs optimizer steps; every `checkpointing_steps`, at the end and on SIGTERM/SIGINT, the
+   state (trainable parameters, optimizer, EMA, step) and the data iterator's position are saved;
+   `--resume_from_checkpoint latest` continues exactly (every random draw derives from the seed, the
+   step and the sample index);
+4. the final model (EMA weights when EMA is on) is written into --output_dir as an sdx folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from sdx import mesh as meshlib
+from sdx.errors import SdxError
+from train import checkpoint, data, lr, optimizer, signals
+from train import ema as emalib
+from train import step as steplib
+from train.config import TrainConfig
+from train.metrics import Metrics
+
+
+class Task(Protocol):
+    """What one kind of training adds to the loop (see train/diffusion.py, train/vae.py)."""
+
+    module: nnx.Module  # the trainable model, placed on the mesh
+
+    def batch_shapes(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]: ...
+    def step_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]: ...
+    def loss_fn(self, graphdef) -> steplib.LossFn: ...
+    def validate(self, module: nnx.Module, step: int, out: Path, metrics: Metrics) -> None: ...
+    def export(self, module: nnx.Module, out: Path) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Step counts. micro: samples per device per micro-batch; per_step: samples per optimizer step
+    (all hosts); steps_per_epoch: optimizer steps in one pass over the data; total: optimizer steps."""
+
+    per_host_batch: int
+    per_step: int
+    steps_per_epoch: int
+    total: int
+    epochs: int
+
+
+def schedule(cfg: TrainConfig, num_samples: int) -> Schedule:
+    per_step = cfg.train_batch_size * jax.device_count() * cfg.gradient_accumulation_steps
+    per_host = per_step // jax.process_count()
+    steps_per_epoch = num_samples // per_step
+    if steps_per_epoch == 0:
+        raise SdxError(
+            f"the dataset has {num_samples} usable samples, fewer than one optimizer step takes ({per_step} = "
+            f"{cfg.train_batch_size} per device x {jax.device_count()} devices x {cfg.gradient_accumulation_steps} "
+            "accumulation steps); lower --train_batch_size or --gradient_accumulation_steps"
+        )
+    total = cfg.max_train_steps or cfg.num_train_epochs * steps_per_epoch
+    return Schedule(per_host, per_step, steps_per_epoch, total, math.ceil(total / steps_per_epoch))
+
+
+def learning_rate(cfg: TrainConfig) -> float:
+    if not cfg.scale_lr:
+        return cfg.learning_rate
+    return lr.scale_lr(cfg.learning_rate, cfg.gradient_accumulation_steps, cfg.train_batch_size, jax.device_count())
+
+
+def make_optimizer(cfg: TrainConfig, total_steps: int):
+    sched = lr.schedule(cfg.lr_scheduler, learning_rate(cfg), warmup_steps=cfg.lr_warmup_steps,
+                        total_steps=total_steps, num_cycles=cfg.lr_num_cycles, power=cfg.lr_power,
+                        step_rules=cfg.lr_step_rules)
+    tx = optimizer.adamw(sched, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, weight_decay=cfg.adam_weight_decay,
+                         eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm or None)
+    return tx, sched
+
+
+def ema_config(cfg: TrainConfig) -> emalib.EMAConfig | None:
+    if not cfg.use_ema:
+        return None
+    return emalib.EMAConfig(decay=cfg.ema_decay, min_decay=cfg.ema_min_decay, update_after_step=cfg.ema_update_after_step,
+                            use_warmup=cfg.ema_use_warmup, inv_gamma=cfg.ema_inv_gamma, power=cfg.ema_power)
+
+
+def check_output_dir(path: Path) -> None:
+    """The output folder must be creatable and writable (checked before anything heavy runs)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SdxError(f"--output_dir {path}: cannot create it ({e.strerror or e})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SdxError(f"--output_dir {path}: not writable")
+
+
+def validation_due(cfg: TrainConfig, step: int, sched: Schedule) -> bool:
+    if cfg.validation_steps:
+        return step % cfg.validation_steps == 0
+    every = (cfg.validation_epochs or 1) * sched.steps_per_epoch
+    return step % every == 0
+
+
+def run(cfg: TrainConfig, make_task, open_data) -> int:
+    """make_task(cfg, mesh, log) -> Task; open_data(cfg) -> data.Source (columns checked)."""
+    out = Path(cfg.output_dir)
+    check_output_dir(out)
+    source = open_data(cfg)
+    meshlib.initialize()
+    mesh = meshlib.make_mesh(cfg.fsdp)
+    sched = schedule(cfg, len(source))
+    resume = checkpoint.resolve(cfg.resume_from_checkpoint, out)
+    metrics_log = print if jax.process_index() == 0 else (lambda *_: None)
+
+    task = make_task(cfg, mesh, metrics_log)
+    graphdef, params = nnx.split(task.module, nnx.Param)
+    tx, lr_schedule = make_optimizer(cfg, sched.total)
+    ema = ema_config(cfg)
+    state = steplib.init_state(params, tx, use_ema=ema is not None)
+    loader = data.make_loader(source, task.transform, batch_size=sched.per_host_batch, seed=cfg.seed,
+                              num_epochs=None, workers=cfg.dataloader_num_workers)
+    ckpts = checkpoint.Checkpoints(out / "checkpoints", keep=cfg.checkpoints_total_limit)
+    start = 0
+    if resume is not None:
+        saved, meta = ckpts.restore(resume, _flat(state))
+        state = jax.tree.unflatten(jax.tree.structure(state), [saved[k] for k in sorted(saved)])
+        loader.restore(meta["data"])
+        start = int(state.step)
+        metrics_log(f"resumed from step {start} ({resume})")
+    seed_key = jax.random.key(cfg.seed)
+    it = iter(loader)
+    first = next(it)
+    compiled = steplib.compile_step(
+        state, task.batch_shapes(first), seed_key, mesh, loss_fn=task.loss_fn(graphdef), tx=tx,
+        accumulation=cfg.gradient_accumulation_steps, ema=ema, learning_rate=lr_schedule,
+    )
+    tb = (out / cfg.logging_dir) if cfg.report_to == "tensorboard" else None
+    metrics = Metrics(out, total_steps=sched.total, start_step=start, tensorboard_dir=tb)
+    metrics.message(f"{len(source)} samples, {sched.per_step} per optimizer step, {sched.total} steps "
+                    f"({sched.epochs} epochs) on {jax.device_count()} devices")
+
+    def save(step: int, force: bool = False) -> None:
+        ckpts.save(step, _flat(state), {"data": loader.state(), "config": cfg.to_dict()}, force=force)
+
+    host_batch = first
+    stopped = False
+    with signals.GracefulStop() as stop:
+        for step in range(start + 1, sched.total + 1):
+            t0 = time.perf_counter()
+            state, values = compiled(state, task.step_batch(host_batch), seed_key)
+            values = {k: float(v) for k, v in jax.device_get(values).items()}
+            dt = time.perf_counter() - t0
+            values.update(step_time=dt, images_per_s=sched.per_step / dt, skipped=float(loader.skipped))
+            metrics.log(step, values)
+            if not math.isfinite(values["loss"]):
+                raise SdxError(f"the loss became {values['loss']} at step {step}; lower --learning_rate")
+            if step % cfg.checkpointing_steps == 0 or step == sched.total:
+                save(step)
+            if cfg_validates(cfg) and validation_due(cfg, step, sched):
+                task.validate(module_for_export(graphdef, state), step, out, metrics)
+            if stop.requested and step < sched.total:
+                save(step, force=True)
+                stopped = True
+                break
+            if step < sched.total:
+                host_batch = next(it)
+    ckpts.wait()
+    if stopped:
+        metrics.close()
+        print(f"stopped at step {step}; continue with --resume_from_checkpoint latest", file=sys.stderr)
+        return 0
+    if loader.skipped:
+        metrics.message(f"{loader.skipped} unreadable samples were skipped")
+    task.export(module_for_export(graphdef, state), out)
+    metrics.close()
+    ckpts.close()
+    return 0
+
+
+def _flat(state: steplib.TrainState) -> dict[str, jax.Array]:
+    """The state's leaves keyed by position ("00000", ...): what a checkpoint stores. The structure comes
+    back from the live state at restore (nnx's integer-keyed lists do not survive Orbax's tree restore)."""
+    return {f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(state))}
+
+
+def cfg_validates(cfg: TrainConfig) -> bool:
+    return bool(getattr(cfg, "validation_prompt", ())) or cfg.task == "vae"
+
+
+def module_for_export(graphdef, state: steplib.TrainState) -> nnx.Module:
+    """The trained module with the EMA weights when EMA is on."""
+    return nnx.merge(graphdef, state.ema if state.ema is not None else state.params)
+
+
+def main(run_task, argv=None) -> Any:
+    """Entry point: one `error:` line and exit status 2 for any bad input."""
+    try:
+        code = run_task(argv)
+    except SdxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    raise SystemExit(code)

@@ -1,0 +1,125 @@
+"""The models of a fine-tuning run: the trainable UNet, the frozen VAE and text encoders, tokenizers.
+
+`load` resolves `--pretrained_model_name_or_path` exactly as `python -m sdx.sample --model` does
+(sdx folder, diffusers folder, single file or hub id, converted once into the cache; an optional
+`--pretrained_vae_model_name_or_path` swaps the VAE), then places every model on the mesh by the
+inference sharding rule. The UNet keeps float32 master weights whatever the compute dtype
+(`--mixed_precision bf16` computes in bfloat16); the VAE always runs in float32 (the SDXL VAE overflows
+in float16); the frozen text encoders take the compute dtype.
+
+InstructPix2Pix from a text-to-image model widens the UNet's conv_in from 4 to 8 input channels: the
+new channels' kernel is zero, the pretrained kernel and bias are kept, so the widened model starts out
+computing exactly what the pretrained one did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from convert import library as convert_lib
+from convert.sources import ModelOptions
+from pipelines.family import Family, family_of
+from sdx import mesh as meshlib
+from sdx import model_folder, weights
+from sdx.errors import SdxError
+from sdx.layers import Compute
+from train.config import TrainConfig
+
+PIX2PIX_CLASS = {False: "StableDiffusionInstructPix2PixPipeline", True: "StableDiffusionXLInstructPix2PixPipeline"}
+
+
+@dataclasses.dataclass
+class Models:
+    """folder: the source sdx folder; spec: its sdx.json; family: what the *trained* model is (pix2pix
+    after widening); unet: trainable; vae, encoders: frozen; pipeline_class / unet_source_config: what
+    the exported model folder says."""
+
+    folder: Path
+    spec: dict[str, Any]
+    family: Family
+    pipeline_class: str
+    unet: nnx.Module
+    vae: nnx.Module
+    encoders: dict[str, nnx.Module]
+    tokenizers: dict[str, Any]
+    scheduler_config: dict[str, Any]
+    unet_source_config: dict[str, Any] | None
+
+
+def resolve_folder(cfg: TrainConfig, log=print) -> Path:
+    """The sdx folder of `--pretrained_model_name_or_path` (converted into the cache if it is not one)."""
+    options = ModelOptions.from_args(vae=cfg.pretrained_vae_model_name_or_path)
+    return convert_lib.ensure_sdx_folder(
+        cfg.pretrained_model_name_or_path, dtype="float32", variant=cfg.variant, revision=cfg.revision,
+        options=options, log=log,
+    )
+
+
+def computes(cfg: TrainConfig) -> dict[str, Compute]:
+    """How each model runs: the UNet trains in the compute dtype with float32 master weights."""
+    dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
+    return {
+        "unet": Compute(dtype=dtype, param_dtype=jnp.float32, attention=cfg.attention, remat=cfg.gradient_checkpointing),
+        "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, attention=cfg.attention),
+        "text": Compute(dtype=dtype, param_dtype=dtype, attention=cfg.attention),
+    }
+
+
+def load(cfg: TrainConfig, mesh, *, folder: Path, log=print) -> Models:
+    spec = model_folder.read_spec(folder)
+    source = family_of(spec["pipeline_class"], set(spec["components"]), spec["extra"])
+    if source.aesthetic:
+        raise SdxError(f"{cfg.pretrained_model_name_or_path}: fine-tuning the SDXL refiner is not supported")
+    if cfg.task == "text_to_image" and source.pix2pix:
+        raise SdxError(f"{cfg.pretrained_model_name_or_path} is an InstructPix2Pix model; use python -m train.pix2pix")
+    pix2pix = cfg.task == "pix2pix"
+    pipeline_class = PIX2PIX_CLASS[source.xl] if pix2pix else spec["pipeline_class"]
+    family = family_of(pipeline_class, set(spec["components"]), spec["extra"])
+    cp = computes(cfg)
+    rule = meshlib.param_sharding(mesh)
+    load_one = lambda name, c: model_folder.load_component(
+        folder, name, dtype=c.param_dtype, compute=c, sharding=rule, spec=spec)
+    entry = spec["components"]["unet"]
+    unet_source = entry.get("source_config")
+    if pix2pix and not source.pix2pix:
+        unet, unet_source = _widened_unet(folder, spec, cp["unet"], rule, log)
+    else:
+        unet = load_one("unet", cp["unet"])
+    return Models(
+        folder=folder, spec=spec, family=family, pipeline_class=pipeline_class, unet=unet,
+        vae=load_one("vae", cp["vae"]),
+        encoders={n: load_one(n, cp["text"]) for n in family.encoders},
+        tokenizers={t: model_folder.load_tokenizer(folder, t, spec=spec)
+                    for t in ("tokenizer", "tokenizer_2") if t in spec["components"]},
+        scheduler_config=model_folder.scheduler_config(folder, spec=spec),
+        unet_source_config=unet_source,
+    )
+
+
+def widen_conv_in(arrays: dict[str, np.ndarray], in_channels: int) -> dict[str, np.ndarray]:
+    """conv_in's kernel (kh, kw, C_in, C_out) padded with zeros to `in_channels` inputs; bias kept."""
+    kernel = arrays["conv_in.kernel"]
+    extra = in_channels - kernel.shape[2]
+    if extra < 0:
+        raise SdxError(f"conv_in has {kernel.shape[2]} input channels, more than {in_channels}")
+    pad = np.zeros((*kernel.shape[:2], extra, kernel.shape[3]), kernel.dtype)
+    return {**arrays, "conv_in.kernel": np.concatenate([kernel, pad], axis=2)}
+
+
+def _widened_unet(folder: Path, spec, compute: Compute, rule, log):
+    """The pretrained UNet with 8 input channels (noisy latents + the input image's latents)."""
+    kind = model_folder.MODEL_KINDS["unet"]
+    config = dataclasses.replace(model_folder.model_config(folder, "unet", spec=spec), in_channels=8)
+    arrays = widen_conv_in(dict(model_folder.read_arrays(folder, "unet", spec=spec)), 8)
+    model = kind.abstract(config, compute)
+    weights.check_arrays(weights.param_shapes(model), arrays, where="unet (conv_in widened to 8 channels)")
+    log("unet: conv_in widened from 4 to 8 input channels (new channels zero, kernel and bias kept)")
+    source = spec["components"]["unet"].get("source_config")
+    source = None if source is None else {**source, "in_channels": 8}
+    return weights.materialize(model, arrays, dtype=jnp.float32, sharding=rule), source

@@ -1,0 +1,140 @@
+"""`python -m train.vae`: fine-tune an AutoencoderKL, or train one from random weights.
+
+    python -m train.vae --pretrained_model_name_or_path MODEL --dataset_name DATA --output_dir OUT
+    python -m train.vae --vae_config tiny --train_data_dir FOLDER --resolution 64 --output_dir OUT
+
+The loss is LDM's without the perceptual and adversarial terms: per sample the summed reconstruction
+error over pixels (L1, or L2 with --reconstruction_loss l2) of the decoded posterior sample, plus
+--kl_weight times the KL divergence of the posterior from N(0, 1) summed over latent elements; the
+mean over the batch. The metrics also carry the mean absolute error per pixel (`l1_per_pixel`) and
+the KL per latent element, which are comparable across resolutions.
+
+Output: from a pipeline (--pretrained_model_name_or_path) the whole pipeline with the new VAE, an sdx
+folder in --output_dir; from --vae_config a VAE folder in diffusers' layout (config.json and
+diffusion_pytorch_model.safetensors), which `--vae`, `--pretrained_vae_model_name_or_path` and
+`python -m convert --vae` take.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from PIL import Image
+
+from sdx import io, mesh as meshlib
+from sdx import model_folder, presets, weights
+from sdx.errors import SdxError
+from sdx.vae import AutoencoderKL, DiagonalGaussian, VAEConfig
+from train import config as configlib
+from train import data, export, loop, models, objective, sources
+from train.config import TrainConfig
+
+
+def vae_config(spec: str) -> VAEConfig:
+    """--vae_config: a preset name (its VAE) or a diffusers VAE config.json."""
+    path = Path(spec)
+    if path.is_file():
+        return VAEConfig.from_diffusers_config(io.read_json(path, obj=True))
+    if spec not in presets.NAMES:
+        raise SdxError(f"--vae_config {spec}: neither a config.json file nor a preset ({', '.join(presets.NAMES)})")
+    return VAEConfig.from_diffusers_config(presets.get(spec).configs["vae"])
+
+
+def vae_loss(graphdef, cfg: TrainConfig):
+    """(params, batch, keys) -> (loss, {"l1_per_pixel", "kl_per_element"})."""
+    def fn(params, batch, keys):
+        vae = nnx.merge(graphdef, params)
+        x = batch["pixels"]
+        dist = vae.encode(x)
+        z = objective.posterior_sample(keys, jnp.concatenate([dist.mean, dist.logvar], axis=-1))
+        recon = vae.decode(z).astype(jnp.float32)
+        err = jnp.abs(recon - x) if cfg.reconstruction_loss == "l1" else (recon - x) ** 2
+        kl = dist.kl()  # (B,)
+        loss = jnp.mean(jnp.sum(err, axis=(1, 2, 3)) + cfg.kl_weight * kl)
+        aux = {"l1_per_pixel": jnp.mean(jnp.abs(recon - x)), "kl_per_element": jnp.mean(kl) / np.prod(dist.mean.shape[1:])}
+        return loss, aux
+    return fn
+
+
+class VAETask:
+    def __init__(self, cfg: TrainConfig, mesh, log=print):
+        self.cfg, self.mesh, self.log = cfg, mesh, log
+        compute = models.computes(cfg)["vae"]
+        rule = meshlib.param_sharding(mesh)
+        self.folder = None
+        if cfg.vae_config:
+            config = vae_config(cfg.vae_config)
+            self.module = AutoencoderKL(config, compute, rngs=nnx.Rngs(cfg.seed))
+        else:
+            self.folder = models.resolve_folder(cfg, log)
+            self.spec = model_folder.read_spec(self.folder)
+            self.module = model_folder.load_component(self.folder, "vae", dtype=jnp.float32, compute=compute,
+                                                      sharding=rule, spec=self.spec)
+        self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
+                                        random_flip=cfg.random_flip, seed=cfg.seed)
+        self.fixed = None  # the validation images: the first batch's, reconstructed at each validation
+
+    def step_batch(self, host: dict) -> dict:
+        if self.fixed is None:
+            self.fixed = np.asarray(host["pixels"][: min(8, len(host["pixels"]))])
+        return meshlib.put_batch(self.mesh, {"pixels": host["pixels"], "index": np.asarray(host["index"])})
+
+    def batch_shapes(self, host: dict) -> dict:
+        return {"pixels": jax.ShapeDtypeStruct(host["pixels"].shape, jnp.float32),
+                "index": jax.ShapeDtypeStruct(np.shape(host["index"]), np.asarray(host["index"]).dtype)}
+
+    def loss_fn(self, graphdef):
+        return vae_loss(graphdef, self.cfg)
+
+    def validate(self, vae: nnx.Module, step: int, out: Path, metrics) -> None:
+        """Originals (top row) over their reconstructions from the posterior mode (bottom row)."""
+        x = self.fixed
+        recon = np.asarray(jax.jit(lambda v, a: v(a))(vae, jnp.asarray(x)), np.float32)
+        pair = np.concatenate([np.concatenate(list(x), axis=1), np.concatenate(list(recon), axis=1)], axis=0)
+        grid = ((np.clip(pair, -1, 1) + 1) * 127.5).round().astype(np.uint8)
+        if jax.process_index() == 0:
+            folder = out / "validation"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(grid).save(folder / f"step-{step:06d}.png")
+            metrics.image(step, "reconstruction", grid)
+
+    def export(self, vae: nnx.Module, out: Path) -> None:
+        if jax.process_index() != 0:
+            return
+        arrays = model_folder.module_arrays(vae)
+        if self.folder is None:
+            write_vae_folder(out, vae.config, arrays)
+            self.log(f"VAE written to {out} (use it with --vae {out})")
+            return
+        entry = self.spec["components"]["vae"]
+        part = model_folder.ModelPart(cls=entry["class"], config=vae.config, arrays=arrays,
+                                      source_config=entry.get("source_config"))
+        export.write_model(out, source=self.folder, spec=self.spec, pipeline_class=self.spec["pipeline_class"],
+                           models={"vae": part}, export_format=self.cfg.export_format, log=self.log)
+
+
+def write_vae_folder(out: Path, config: VAEConfig, arrays: dict[str, np.ndarray]) -> None:
+    """A diffusers-layout VAE folder: config.json and diffusion_pytorch_model.safetensors (torch keys)."""
+    torch_arrays = weights.to_torch_keys(arrays)
+    io.write_safetensors(out / "diffusion_pytorch_model.safetensors", sorted(torch_arrays.items()))
+    io.atomic_write_json(out / "config.json", {"_class_name": "AutoencoderKL", **config.to_diffusers_config()})
+
+
+def open_data(cfg: TrainConfig):
+    columns = sources.Columns(images=(cfg.image_column,), text=None, names=("pixels",))
+    return sources.open_source(cfg.dataset_name or cfg.train_data_dir, columns, max_samples=cfg.max_train_samples,
+                            seed=cfg.seed, cache_dir=cfg.cache_dir)
+
+
+def train(argv=None) -> int:
+    cfg = configlib.parse("vae", argv)
+    return loop.run(cfg, VAETask, open_data)
+
+
+if __name__ == "__main__":
+    loop.main(train, sys.argv[1:])
