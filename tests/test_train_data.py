@@ -64,7 +64,8 @@ def pairs_parquet(tmp_path):
     """InstructPix2Pix pairs as the hub stores them (Image structs with embedded bytes): coordinate
     pictures, the edited one with another blue tag, so a crop and a flip can be read back from both."""
     sizes = [(16, 40), (48, 16), (16, 16), (16, 28), (16, 24), (30, 16), (16, 36), (24, 16)]
-    originals = [{"bytes": td.encode(td.coordinates(h, w, tag=i)), "path": f"o{i}.png"} for i, (h, w) in enumerate(sizes)]
+    originals = [{"bytes": td.encode(td.coordinates(h, w, tag=i)), "path": f"o{i}.png"}
+                 for i, (h, w) in enumerate(sizes)]
     edited = [{"bytes": td.encode(td.coordinates(h, w, tag=100 + i)), "path": None} for i, (h, w) in enumerate(sizes)]
     path = td.write_parquet(tmp_path / "pairs" / "data" / "train-00000-of-00001.parquet",
                             {"input_image": originals, "edit_prompt": [f"edit {i}" for i in range(len(sizes))],
@@ -95,9 +96,12 @@ def test_pixels_match_pil_resize_flip_crop(captions_parquet, center_crop):
             top, left = (int(v) for v in batch["crop_top_left"][j])
             rh, rw = (res, int(res * w / h)) if h <= w else (int(res * h / w), res)
             assert 0 <= top <= rh - res and 0 <= left <= rw - res
+            u = np.random.default_rng([3, p]).random(4)  # the documented draws: flip, top, left, caption
             if center_crop:
                 assert (top, left) == (int(round((rh - res) / 2)), int(round((rw - res) / 2)))
-            flip = bool(np.random.default_rng([3, p]).random(4)[0] < 0.5)  # the documented draw
+            else:
+                assert (top, left) == (int(u[1] * (rh - res + 1)), int(u[2] * (rw - res + 1)))
+            flip = bool(u[0] < 0.5)
             flips.append(flip)
             want = expected_pixels(pictures[row], res, top, left, flip)
             np.testing.assert_allclose(batch["pixels"][j], want, atol=1e-6)
@@ -209,32 +213,6 @@ def _rgb(cell) -> np.ndarray:
     return np.asarray(data.decode_image(cell))
 
 
-def test_decode_converts_modes():
-    rgb = td.random_picture(6, 5, 1)
-    grey = rgb[..., 0]
-    np.testing.assert_array_equal(_rgb(td.encode(grey)), np.repeat(grey[..., None], 3, -1))  # L
-    la = Image.fromarray(np.stack([grey, np.full_like(grey, 7)], -1), "LA")
-    np.testing.assert_array_equal(_rgb(td.encode(la)), np.repeat(grey[..., None], 3, -1))
-    rgba = np.concatenate([rgb, np.zeros_like(rgb[..., :1])], -1)  # fully transparent: alpha dropped
-    np.testing.assert_array_equal(_rgb(td.encode(rgba)), rgb)
-    palette = Image.fromarray(rgb).quantize(8)
-    np.testing.assert_array_equal(_rgb(td.encode(palette)), np.asarray(palette.convert("RGB")))
-    palette.info["transparency"] = 0
-    assert _rgb(td.encode(palette)).shape == (6, 5, 3)
-    cmyk = Image.new("CMYK", (5, 6), (0, 255, 255, 0))  # pure red
-    np.testing.assert_array_equal(_rgb(td.encode(cmyk, "TIFF"))[0, 0], [255, 0, 0])
-    bits = Image.fromarray(grey > 127)
-    np.testing.assert_array_equal(_rgb(td.encode(bits))[..., 1], np.where(grey > 127, 255, 0))
-    # 16 bits: the high byte, for greyscale (PIL alone would clip at 255) as for RGB
-    g16 = np.arange(30, dtype=np.uint16).reshape(6, 5, 1) * 2000
-    np.testing.assert_array_equal(_rgb(td.png16(g16)), np.repeat(g16 >> 8, 3, -1))
-    np.testing.assert_array_equal(_rgb(td.encode(Image.fromarray(g16[..., 0]), "TIFF")), np.repeat(g16 >> 8, 3, -1))
-    c16 = np.arange(90, dtype=np.uint16).reshape(6, 5, 3) * 700
-    np.testing.assert_array_equal(_rgb(td.png16(c16)), c16 >> 8)
-    a16 = np.concatenate([c16, np.full_like(c16[..., :1], 65535)], -1)
-    np.testing.assert_array_equal(_rgb(td.png16(a16)), c16 >> 8)
-
-
 def test_decode_applies_exif_orientation():
     pic = Image.fromarray(td.coordinates(4, 8))
     exif = Image.Exif()
@@ -336,7 +314,8 @@ def test_missing_column_lists_the_columns_found(captions_parquet, tmp_path):
     assert "'edited_image' (--edited_image_column)" in message and message.endswith("its columns are: image, text")
     with pytest.raises(SdxError, match=r"no column 'caption' \(--caption_column\); its columns are: image, text"):
         open_source(path, Columns.text_to_image(caption="caption"))
-    root = td.write_imagefolder(tmp_path / "f", [{"file_name": "a.png", "prompt": "x"}], {"a.png": td.encode(td.random_picture(4, 4, 0))})
+    root = td.write_imagefolder(tmp_path / "f", [{"file_name": "a.png", "prompt": "x"}],
+                                {"a.png": td.encode(td.random_picture(4, 4, 0))})
     with pytest.raises(SdxError, match=r"no column 'text' \(--caption_column\); its columns are: image, prompt"):
         open_source(root, Columns.text_to_image())
 
@@ -346,10 +325,12 @@ def test_text_that_is_not_text(tmp_path):
     numbers = td.write_parquet(tmp_path / "n.parquet", {"image": [pic], "text": [3]}, image_columns=("image",))
     with pytest.raises(SdxError, match=r"column 'text' has type int64, not text"):
         open_source(numbers, Columns.text_to_image())
-    nulls = td.write_parquet(tmp_path / "z.parquet", {"image": [pic, pic], "text": ["a", None]}, image_columns=("image",))
+    nulls = td.write_parquet(tmp_path / "z.parquet", {"image": [pic, pic], "text": ["a", None]},
+                             image_columns=("image",))
     with pytest.raises(SdxError, match=r"column 'text' has 1 empty \(null\) cells"):
         open_source(nulls, Columns.text_to_image())
-    empty = td.write_parquet(tmp_path / "e.parquet", {"image": [pic, pic], "text": [["a"], []]}, image_columns=("image",))
+    empty = td.write_parquet(tmp_path / "e.parquet", {"image": [pic, pic], "text": [["a"], []]},
+                             image_columns=("image",))
     source = open_source(empty, Columns.text_to_image())
     with pytest.raises(SdxError, match=r"e.parquet row 1: column 'text' holds list \[\], not text"):
         take(loader_for(source, Transform(16), batch_size=2, shuffle=False), 1)
