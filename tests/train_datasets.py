@@ -80,7 +80,8 @@ def write_parquet(path: Path, columns: dict[str, list], *, image_columns: tuple[
     return path
 
 
-def write_imagefolder(root: Path, rows: list[dict], images: dict[str, bytes], *, metadata: str = "metadata.jsonl") -> Path:
+def write_imagefolder(root: Path, rows: list[dict], images: dict[str, bytes], *,
+                      metadata: str = "metadata.jsonl") -> Path:
     """`images` (file name -> bytes) and a metadata.jsonl of `rows` in `root`."""
     root.mkdir(parents=True, exist_ok=True)
     for name, data in images.items():

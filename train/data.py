@@ -100,7 +100,8 @@ def decode_image(cell: bytes | str | os.PathLike | None) -> Image.Image:
                 if im.width == 0 or im.height == 0:
                     raise UnreadableImage(f"{im.width}x{im.height} pixels")
                 try:
-                    im = ImageOps.exif_transpose(im)
+                    if im.getexif().get(0x0112, 1) != 1:  # EXIF orientation: show it upright
+                        im = ImageOps.exif_transpose(im)
                 except Exception:  # a broken EXIF block: keep the stored orientation
                     pass
                 return to_rgb(im)
@@ -116,12 +117,12 @@ def to_rgb(im: Image.Image) -> Image.Image:
     """PIL's convert("RGB") (alpha dropped, CMYK and palettes converted), except that 16- and 32-bit
     integer greyscale keeps the high byte of 16-bit values instead of being clipped at 255."""
     if im.mode == "RGB":
-        return im.copy() if im.readonly else im
+        return im
     if im.mode.startswith("I;16") or im.mode == "I":
         a = np.asarray(im).astype(np.int64)
         if im.mode.startswith("I;16") or a.max(initial=0) > 255:
             a = a >> 8
-        pass
+        im = Image.fromarray(np.clip(a, 0, 255).astype(np.uint8), "L")
     return im.convert("RGB")
 
 

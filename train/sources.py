@@ -509,7 +509,7 @@ def _train_split(paths: list[Path], root: Path, name: str) -> list[Path]:
 
 def parquet_files(folder: Path, name: str) -> list[Path]:
     """The train split's `*.parquet` files under `folder`, sorted by path."""
-    files = [p for p in sorted(folder.rglob("*.parquet"), key=lambda p: p.relative_to(folder).as_posix()) if p.is_file()]
+    files = sorted((p for p in folder.rglob("*.parquet") if p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
     return _train_split(files, folder, name)
 
 
@@ -529,7 +529,8 @@ def open_source(spec: str | os.PathLike | Sequence[str | os.PathLike], columns: 
                 max_samples: int | None = None, seed: int = 0, cache_dir: str | os.PathLike | None = None,
                 revision: str | None = None) -> Source:
     """The dataset `spec` names (see the module docstring), its columns checked; `max_samples`: keep the
-    rows diffusers keeps (the first after a permutation seeded with `seed`)."""
+    rows diffusers keeps (the first after a permutation seeded with `seed`; all of them when there are
+    no more than that); `cache_dir`, `revision`: for a hub dataset."""
     source = _open(spec, columns, cache_dir=cache_dir, revision=revision)
     if len(source) == 0:
         raise SdxError(f"dataset {_name(spec)} has no rows")
