@@ -227,7 +227,7 @@ class CLIPTextModel(nnx.Module):
     """
 
     def __init__(self, config: TextEncoderConfig, cp: Compute = F32, *, rngs: nnx.Rngs):
-        self.config = config
+        self.config, self.compute = config, cp
         self.text_model = CLIPTextTransformer(config, cp, rngs=rngs)
         self.text_projection = (
             linear(cp, config.hidden_size, config.projection_dim, bias=False, rngs=rngs) if config.with_projection else None

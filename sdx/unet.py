@@ -370,6 +370,7 @@ class UNet2DConditionModel(nnx.Module):
 
     def __init__(self, config: UNetConfig, cp: Compute = F32, *, rngs: nnx.Rngs):
         c = self.config = config
+        self.compute = cp  # what the model carries, so callers never infer the compute dtype from a kernel
         self.remat = cp.remat
         self.dtype = cp.dtype
         boc = c.block_out_channels
