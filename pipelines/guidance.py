@@ -1,31 +1,173 @@
-"""Guidance: how the model outputs of one batched UNet call become one prediction.
+"""Guidance: which branches one batched UNet call evaluates, and how their outputs become one prediction.
 
-Batch layouts (along axis 0, each part the generation batch B):
-- classifier-free guidance (Ho & Salimans 2022): [negative, text];
-- InstructPix2Pix (Brooks et al. 2023): [text+image, negative+image, negative+no image].
+Three kinds, picked per request by `choose` (a kind is static: a new one compiles anew):
+
+- `Unguided`: the text branch alone (guidance_scale <= 1, as diffusers);
+- `ClassifierFree` (Ho & Salimans 2022): [negative, text];
+- `InstructPix2Pix` (Brooks et al. 2023): [text + image, negative + image, negative + no image].
+
+Each owns the UNet batch layout: branch k of image j is row j * branches + k (image-major), so when
+the batch is split over a mesh an image's branches stay on the device that holds the image, and the
+guidance combination needs no communication.
+
+The negative branch without a negative prompt is the null conditioning (`null_conditioning`): zeros
+for SDXL models with force_zeros_for_empty_prompt, else the encoding of "". Training's conditioning
+dropout swaps in the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 
-
-def classifier_free(uncond: jax.Array, text: jax.Array, scale: jax.Array) -> jax.Array:
-    """uncond + scale * (text - uncond)."""
-    return uncond + scale * (text - uncond)
+from pipelines import text
+from pipelines.family import Family
 
 
-def pix2pix(text: jax.Array, image: jax.Array, uncond: jax.Array, scale: jax.Array, image_scale: jax.Array) -> jax.Array:
-    """uncond + scale * (text - image) + image_scale * (image - uncond) (the InstructPix2Pix paper, eq. 3)."""
-    return uncond + scale * (text - image) + image_scale * (image - uncond)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Conditioning:
+    """What the UNet is conditioned on, batch first: context (B, S, D); pooled (B, P), SDXL's pooled text
+    embedding, or None; time_ids (B, N), SDXL's micro-conditioning ((B, 0) otherwise); image (B, h, w, C),
+    InstructPix2Pix's image latents, or None."""
+
+    context: jax.Array
+    pooled: jax.Array | None
+    time_ids: jax.Array
+    image: jax.Array | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Scales:
+    """float32 scalars, traced: guidance_scale, image_guidance_scale (InstructPix2Pix), guidance_rescale φ."""
+
+    text: jax.Array
+    image: jax.Array
+    rescale: jax.Array
+
+
+def _interleave(*branches: Conditioning) -> Conditioning:
+    """n branches of B rows -> one batch of B * n rows, row j * n + k being branch k of image j."""
+    n = len(branches)
+    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(xs[0].shape[0] * n, *xs[0].shape[1:]), *branches)  # (B*n, ...)
+
+
+def _split(out: jax.Array, n: int) -> list[jax.Array]:
+    """The inverse of `_interleave` for the UNet's output: (B * n, ...) -> n arrays of (B, ...)."""
+    out = out.reshape(out.shape[0] // n, n, *out.shape[1:])  # (B, n, ...)
+    return [out[:, k] for k in range(n)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Guidance:
+    """The base: `conditioning` stacks the branches into the UNet batch, `model_input` stacks the
+    latents the same way, `combine` turns the UNet's output back into one prediction per image."""
+
+    branches: ClassVar[int] = 1
+
+    def conditioning(self, text: Conditioning, negative: Conditioning | None) -> Conditioning:
+        raise NotImplementedError
+
+    def model_input(self, latents: jax.Array, cond: Conditioning) -> jax.Array:
+        """latents (B, h, w, C) -> (B * branches, h, w, C), plus the image latents' channels for InstructPix2Pix."""
+        x = jnp.repeat(latents, self.branches, axis=0)  # (B*n, h, w, C), image-major like `cond`
+        return x if cond.image is None else jnp.concatenate([x, cond.image.astype(x.dtype)], axis=-1)
+
+    def combine(self, out: jax.Array, scales: Scales) -> jax.Array:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Unguided(Guidance):
+    branches: ClassVar[int] = 1
+
+    def conditioning(self, text, negative):
+        return text
+
+    def combine(self, out, scales):
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassifierFree(Guidance):
+    """uncond + g * (text - uncond), then `rescale`."""
+
+    branches: ClassVar[int] = 2
+
+    def conditioning(self, text, negative):
+        return _interleave(negative, text)
+
+    def combine(self, out, scales):
+        uncond, cond = _split(out, 2)
+        return rescale(uncond + scales.text * (cond - uncond), cond, scales.rescale)
+
+
+@dataclasses.dataclass(frozen=True)
+class InstructPix2Pix(Guidance):
+    """uncond + g * (text - image) + g_image * (image - uncond) (the paper's eq. 3), then `rescale`. Every
+    branch takes the text's time ids, as diffusers' SDXL InstructPix2Pix pipeline does."""
+
+    branches: ClassVar[int] = 3
+
+    def conditioning(self, text, negative):
+        with_image = dataclasses.replace(negative, time_ids=text.time_ids, image=text.image)
+        no_image = dataclasses.replace(with_image, image=jnp.zeros_like(text.image))
+        return _interleave(text, with_image, no_image)
+
+    def combine(self, out, scales):
+        cond, image, uncond = _split(out, 3)
+        guided = uncond + scales.text * (cond - image) + scales.image * (image - uncond)
+        return rescale(guided, cond, scales.rescale)
+
+
+def choose(family: Family, guidance_scale: float, image_guidance_scale: float) -> Guidance:
+    """diffusers' rule: guidance runs when guidance_scale > 1 and, for InstructPix2Pix, image_guidance_scale >= 1."""
+    if guidance_scale <= 1.0 or (family.pix2pix and image_guidance_scale < 1.0):
+        return Unguided()
+    return InstructPix2Pix() if family.pix2pix else ClassifierFree()
 
 
 def rescale(guided: jax.Array, text: jax.Array, phi: jax.Array) -> jax.Array:
     """Lin et al. 2023 ("Common Diffusion Noise Schedules and Sample Steps are Flawed"), section 3.4:
     rescale the guided prediction to the per-sample standard deviation of the text prediction, mixed
-    by phi. phi = 0 returns `guided` unchanged. Standard deviations are unbiased (as torch.std)."""
+    by phi. Standard deviations are unbiased (as torch.std).
+
+    phi = 0 returns `guided` bit for bit (selected, not multiplied by 0, so a non-finite rescaled
+    value cannot leak in); a sample whose guided prediction has zero spread keeps it unscaled
+    instead of dividing by zero.
+    """
     axes = tuple(range(1, guided.ndim))
     std_text = jnp.std(text, axis=axes, keepdims=True, ddof=1)
     std_guided = jnp.std(guided, axis=axes, keepdims=True, ddof=1)
-    return phi * (guided * (std_text / std_guided)) + (1.0 - phi) * guided
+    flat = std_guided == 0
+    factor = jnp.where(flat, 1.0, std_text / jnp.where(flat, 1.0, std_guided))
+    return jnp.where(phi == 0, guided, phi * (guided * factor) + (1.0 - phi) * guided)
+
+
+def negative_conditioning(
+    family: Family, encoders: Mapping, ids: Mapping[str, jax.Array], zero: jax.Array, dtype
+) -> tuple[jax.Array, jax.Array | None]:
+    """The negative branch's (context (B, S, D), pooled (B, P) or None) from the negative prompts' ids
+    {encoder: (B, chunks, 77)}; rows where `zero` (B,) bool is set are zeros (no negative prompt and
+    SDXL's force_zeros_for_empty_prompt). No clip skip: diffusers encodes negatives without it."""
+    context, pooled = text.encode(family, encoders, ids, None, dtype)
+    context = jnp.where(zero[:, None, None], jnp.zeros_like(context), context)
+    if pooled is not None:
+        pooled = jnp.where(zero[:, None], jnp.zeros_like(pooled), pooled)
+    return context, pooled
+
+
+def null_conditioning(family: Family, encoders: Mapping, tokenizers: Mapping, dtype) -> dict[str, jax.Array]:
+    """The conditioning of no prompt, without a batch axis: {"context": (77, D)} plus "pooled" (P,) for
+    SDXL. What the negative branch takes without a negative prompt, and what training's conditioning
+    dropout swaps in (diffusers' SDXL training script encodes "" where its pipeline uses zeros,
+    diffusers#7920; sdx follows the pipeline)."""
+    ids = text.tokenize(family, tokenizers, [[""]] * len(family.encoders), chunks=None)
+    zero = jnp.asarray([family.force_zeros])
+    context, pooled = negative_conditioning(family, encoders, {k: jnp.asarray(v) for k, v in ids.items()}, zero, dtype)
+    return {"context": context[0]} | ({} if pooled is None else {"pooled": pooled[0]})

@@ -18,7 +18,7 @@ import numpy as np
 
 from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
-from pipelines.sampler import Sampler, set_progress
+from pipelines.sampler import Sampler
 from sdx import mesh as meshlib
 from sdx import model_folder, schedulers
 from sdx.layers import Compute
@@ -68,18 +68,27 @@ class Pipeline:
         }
         sched_cfg = model_folder.scheduler_config(folder, spec=spec)
         sched = schedulers.from_name(scheduler, sched_cfg) if scheduler else schedulers.from_config(sched_cfg)
-        unet_cfg, vae_cfg = loaded["unet"].config, loaded["vae"].config
-        factor = vae_cfg.downsample_factor
+        tokenizers = {t: model_folder.load_tokenizer(folder, t, spec=spec) for t in ("tokenizer", "tokenizer_2")
+                      if t in spec["components"]}
+        return cls.from_models(loaded, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
+                               name=name or str(folder))
+
+    @classmethod
+    def from_models(cls, models: dict, *, family: Family, scheduler: schedulers.Scheduler, tokenizers: dict, mesh,
+                    name: str) -> Pipeline:
+        """A pipeline over models already built and placed on `mesh`, {"unet", "vae", encoders...}: what
+        training validates with. Each model runs in the compute dtype it carries (`model.compute`)."""
+        factor = models["vae"].config.downsample_factor
         return cls(
             family=family,
-            scheduler=sched,
-            tokenizers={t: model_folder.load_tokenizer(folder, t, spec=spec) for t in ("tokenizer", "tokenizer_2") if t in spec["components"]},
-            sampler=Sampler(loaded, mesh),
+            scheduler=scheduler,
+            tokenizers=tokenizers,
+            sampler=Sampler(models, mesh),
             factor=factor,
             multiple=factor,  # the UNet resizes its up-sampling to its skips, as diffusers' does
-            channels=vae_cfg.latent_channels,
-            default_size=_trained_size(unet_cfg.sample_size) * factor,
-            name=name or str(folder),
+            channels=models["vae"].config.latent_channels,
+            default_size=_trained_size(models["unet"].config.sample_size) * factor,
+            name=name,
         )
 
     def __call__(self, request: Request, progress=None) -> np.ndarray:
@@ -94,13 +103,8 @@ class Pipeline:
         if progress is not None:
             progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
             progress.refresh()
-        outs = []
-        set_progress((lambda _i: progress.update(1)) if progress is not None else None)
-        try:
-            for plan, inputs, real in work:
-                outs.append(np.asarray(jax.device_get(self.sampler(plan, inputs)))[:real])
-        finally:
-            set_progress(None)
+        report = None if progress is None else progress.update
+        outs = [np.asarray(jax.device_get(self.sampler(plan, inputs, report)))[:real] for plan, inputs, real in work]
         out = np.concatenate(outs)
         return out if request.output_latents else np.clip(out / 2 + 0.5, 0.0, 1.0)
 

@@ -1,8 +1,9 @@
 """A generation request as a user states it, and its translation into sampler batches.
 
 Image order follows diffusers: every prompt's images together, [p0, p0, p1, p1] for two images per
-prompt. Image j's initial noise comes from `fold_in(PRNGKey(seed), j)`, so an image does not change
-with the batch size; `latents` replaces it with given noise (diffusers' `latents=`).
+prompt. Image j's key is `fold_in(PRNGKey(seed), j)` and everything random about image j comes from it
+(its initial noise is `normal(key)`; see `pipelines.sampler` for the rest), so an image does not change
+with the batch size; `latents` replaces the initial noise with given noise (diffusers' `latents=`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import text
+from pipelines import guidance, text
 from pipelines.family import Family
 from pipelines.sampler import START_IMAGE, START_LATENTS, START_NOISE, Inputs, Plan
 from sdx.errors import SdxError
@@ -154,19 +155,18 @@ def batches(
     begin, end = denoising_range(
         scheduler, r.steps, strength=strength, denoising_start=r.denoising_start, denoising_end=r.denoising_end
     )
-    cfg = r.guidance_scale > 1.0 and (not family.pix2pix or r.image_guidance_scale >= 1.0)
     plan = Plan(
-        family=family, scheduler=scheduler, batch=batch, height=r.height, width=r.width, steps=r.steps,
-        begin=begin, end=end, cfg=cfg, start=start, decode=not r.output_latents,
-        chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
+        family=family, scheduler=scheduler, guidance=guidance.choose(family, r.guidance_scale, r.image_guidance_scale),
+        batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
+        decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
 
     base_key = jax.random.PRNGKey(r.seed)
+    keys = jax.vmap(lambda j: jax.random.fold_in(base_key, j))(jnp.arange(n))  # (n, 2): image j's key
     if r.latents is not None:
         noise_all = np.broadcast_to(r.latents.transpose(0, 2, 3, 1), (n, h, w, r.latents.shape[1]))  # NCHW -> NHWC
     else:
-        keys = jax.vmap(lambda j: jax.random.fold_in(base_key, j))(jnp.arange(n))
         noise_all = np.asarray(jax.vmap(lambda k: jax.random.normal(k, (h, w, channels)))(keys))
     image_all = None
     if start == START_LATENTS:
@@ -177,7 +177,7 @@ def batches(
 
     time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
     neg_time_ids = np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids
-    scales = np.asarray([r.guidance_scale, r.image_guidance_scale, r.guidance_rescale], np.float32)
+    scales = guidance.Scales(*(np.float32(v) for v in (r.guidance_scale, r.image_guidance_scale, r.guidance_rescale)))
 
     out = []
     for b0 in range(0, n, batch):
@@ -186,9 +186,9 @@ def batches(
         inputs = Inputs(
             ids={k: take(v) for k, v in ids.items()},
             negative_ids={k: take(v) for k, v in neg_ids.items()},
-            zero_negative=np.full((batch,), float(zero_negative), np.float32),
+            zero_negative=np.full((batch,), zero_negative),
             noise=take(noise_all).astype(np.float32),
-            key=jax.random.fold_in(base_key, 2**30 + b0),
+            keys=take(keys),
             scales=scales,
             time_ids=take(time_ids),
             negative_time_ids=take(neg_time_ids),

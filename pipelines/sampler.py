@@ -1,18 +1,46 @@
-"""The whole generation as one jitted function: text encoding, every sampler step, guidance, VAE decode.
+"""The generation as three ahead-of-time compiled programs and a Python loop over the model calls.
+
+- prepare (text encoders, VAE encoder): token ids -> the UNet batch of conditioning the guidance lays
+  out; the initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's
+  image latents.
+- denoise (UNet): `chunk` model calls (UNet, guidance, scheduler step, as a `lax.fori_loop`) from the
+  call the scheduler state has reached; the latents and scheduler state are donated from one call to
+  the next.
+- decode (VAE decoder): latents -> images.
+
+`Sampler.__call__` runs prepare, then denoise until the schedule is done, reporting `progress(calls)`
+as each denoise call finishes (while the next one is already queued), then decode. Why not one
+program with the loop inside: reporting from a compiled loop needs a host callback
+(`jax.debug.callback`), and JAX's persistent compilation cache refuses executables with host
+callbacks, so nothing would be kept across runs. These programs have none (see
+`enable_compilation_cache`).
+
+The price of one model call per denoise call (`chunk=1`, the default) is the host's work per call,
+mostly passing the UNet's parameter arrays: measured 1-2 ms per call against one fused loop on the
+tiny demo model on a 2-core CPU (its model call takes 16 ms there; `chunk=4` brings it under 0.5 ms).
+On an accelerator, dispatch is asynchronous and that work overlaps the previous call.
 
 `Plan` holds everything that fixes shapes or control flow (static: a new value compiles anew);
-`Inputs` holds everything else (traced: prompts as token ids, noise, guidance scales, images, the
-scheduler's tables), so a new prompt, seed or guidance scale reuses the compiled program. Programs are
-compiled ahead of time (`jit(...).lower(...).compile()`) once per plan and kept in memory; JAX's
-persistent compilation cache (see `enable_compilation_cache`) keeps them across runs.
+`Inputs` holds everything else (traced: prompts as token ids, noise, keys, guidance scales, images, the
+scheduler's tables), so a new prompt, seed or guidance scale reuses the compiled programs. Programs are
+compiled once per plan and kept in memory.
+
+Randomness per image, never per call: image j's key is `fold_in(PRNGKey(seed), j)` (see
+`pipelines.request`). Its initial noise is the key's own draw, its img2img VAE posterior sample is drawn
+from `fold_in(key, Stream.POSTERIOR)` and a stochastic sampler's noise at call c of the full schedule from
+`fold_in(fold_in(key, Stream.STEP_NOISE), c)`, each for image j alone: an image is the same at any
+batch size, with or without guidance, on one device or a mesh.
 
 Sharding: the generation batch is split over every device of the mesh (`sdx.mesh.batch_sharding`),
-parameters are placed by the loader (replicated, or FSDP-split), and XLA inserts the collectives.
+parameters are placed by the loader (replicated, or FSDP-split), and XLA inserts the collectives. The
+programs hand each other arrays with the shardings the first one chose.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import functools
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -22,13 +50,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from pipelines import guidance, text
 from pipelines.family import Family
+from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
 from sdx.schedulers import Scheduler, State
 
 START_NOISE, START_IMAGE, START_LATENTS = "noise", "image", "latents"
+
+
+class Stream(enum.IntEnum):
+    """The `fold_in` constant of each draw taken from an image's key (its initial noise is the key's own)."""
+
+    STEP_NOISE = 1  # stochastic samplers' noise, then folded with the call index
+    POSTERIOR = 2  # img2img's VAE posterior sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,21 +74,21 @@ class Plan:
 
     batch: images per compiled call; height/width: pixels; steps: inference steps of the full schedule;
     begin/end: which model calls of it run (img2img strength, refiner hand-over, denoising_end);
-    cfg: whether the negative branch runs (diffusers skips it for guidance_scale <= 1);
-    start: "noise" (text-to-image), "image" (img2img: encode, then noise to the first step's level),
+    guidance: the branches each UNet call evaluates and how they combine;
+    start: "noise" (text-to-image), "image" (img2img: encode, then noise to the first call's level),
     "latents" (continue given latents as they are: the refiner after the base);
     decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt.
     """
 
     family: Family
     scheduler: Scheduler
+    guidance: Guidance
     batch: int
     height: int
     width: int
     steps: int
     begin: int
     end: int
-    cfg: bool
     start: str = START_NOISE
     decode: bool = True
     chunks: int = 1
@@ -63,168 +100,225 @@ class Plan:
 class Inputs:
     """The traced part. B is Plan.batch; h, w the latent size; C the latent channels.
 
-    ids / negative_ids: {encoder: (B, chunks, 77) int32}; zero_negative: (B,) 1.0 where the negative
-    conditioning is zeros (SDXL's force_zeros_for_empty_prompt); noise: (B, h, w, C) initial noise;
-    key: PRNG key for stochastic samplers and the img2img VAE sample; scales: (3,) guidance scale,
-    image guidance scale, guidance rescale; time_ids / negative_time_ids: (B, 5 or 6) SDXL
-    micro-conditioning (zeros (B, 0) otherwise); image: (B, H, W, 3) in [-1, 1] for img2img and
-    InstructPix2Pix, (B, h, w, C) latents for start="latents", (B, 0, 0, 0) otherwise; state: the
-    scheduler's tables for calls [begin, end).
+    ids / negative_ids: {encoder: (B, chunks, 77) int32}; zero_negative: (B,) bool, True where the
+    negative conditioning is zeros (SDXL's force_zeros_for_empty_prompt); noise: (B, h, w, C) initial
+    noise; keys: (B, 2) uint32, each image's PRNG key; scales: the guidance scales; time_ids /
+    negative_time_ids: (B, 5 or 6) SDXL micro-conditioning (zeros (B, 0) otherwise); image: (B, H, W, 3)
+    in [-1, 1] for img2img and InstructPix2Pix, (B, h, w, C) latents for start="latents", (B, 0, 0, 0)
+    otherwise; state: the scheduler's tables for calls [begin, end).
     """
 
     ids: dict[str, jax.Array]
     negative_ids: dict[str, jax.Array]
     zero_negative: jax.Array
     noise: jax.Array
-    key: jax.Array
-    scales: jax.Array
+    keys: jax.Array
+    scales: Scales
     time_ids: jax.Array
     negative_time_ids: jax.Array
     image: jax.Array
     state: State
 
 
-def enable_compilation_cache(path: str | os.PathLike | None) -> None:
-    """Turn on JAX's persistent compilation cache in `path` (None: leave it off)."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """What each model call changes: latents (B, h, w, C) float32 and the scheduler state."""
+
+    latents: jax.Array
+    state: State
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fixed:
+    """What every model call reads and none changes: the UNet batch's conditioning (B * branches rows),
+    each image's key (B, 2), the guidance scales."""
+
+    cond: Conditioning
+    keys: jax.Array
+    scales: Scales
+
+
+def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
+    """Turn on JAX's persistent compilation cache in `path` (None: leave it off), for programs that took
+    at least `min_compile_secs` to compile."""
     if path is None:
         return
     Path(path).mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_secs)
 
 
-# The progress hook the compiled loop calls once per model call. A module-level slot, not a closure, so
-# that a cached executable reports to whichever run is current (callbacks arrive on XLA's own threads).
-_progress: list[Callable[[int], None] | None] = [None]
+def _per_image(keys: jax.Array, stream: Stream, draw: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """draw(key) from each image's `stream` sub-key, stacked on a leading batch axis."""
+    return jax.vmap(lambda k: draw(jax.random.fold_in(k, int(stream))))(keys)
 
 
-def set_progress(callback: Callable[[int], None] | None) -> None:
-    _progress[0] = callback
+def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carry, Fixed]:
+    """Conditioning and initial latents. `dtype`: the UNet's compute dtype, for what it reads."""
+    models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
+    fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
+    encoders = {name: models[name] for name in fam.encoders}
 
+    context, pooled = text.encode(fam, encoders, inputs.ids, plan.clip_skip, dtype)
+    image_latents = None
+    if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
+        image_latents = vae.encode(inputs.image).mode()
+        if fam.scaled_image_latents:
+            image_latents = image_latents * vae.config.scaling_factor
+        image_latents = image_latents.astype(dtype)
+    cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), image_latents)
+    negative = None
+    if plan.guidance.branches > 1:
+        neg_context, neg_pooled = guidance.negative_conditioning(fam, encoders, inputs.negative_ids, inputs.zero_negative, dtype)
+        negative = Conditioning(neg_context, neg_pooled, inputs.negative_time_ids.astype(dtype))
 
-def _report(i) -> None:
-    if _progress[0] is not None:
-        _progress[0](int(i))
-
-
-def _generate(graphdef, params, inputs: Inputs, plan: Plan):
-    models = nnx.merge(graphdef, params)
-    unet, vae = models["unet"], models["vae"]
-    fam, sched, state = plan.family, plan.scheduler, inputs.state
-    dtype = unet.conv_in.kernel.dtype
-    enc = {name: models[name] for name in fam.encoders}
-
-    context, pooled = text.encode(fam, enc, inputs.ids, plan.clip_skip, dtype)
-    if plan.cfg:
-        neg_context, neg_pooled = text.encode(fam, enc, inputs.negative_ids, plan.clip_skip, dtype)
-        keep = (1.0 - inputs.zero_negative).astype(dtype)
-        neg_context = neg_context * keep[:, None, None]
-        neg_pooled = None if neg_pooled is None else neg_pooled * keep[:, None]
-
-    vae_cfg = vae.config
-    latent_key, step_key = jax.random.split(inputs.key)
     if plan.start == START_NOISE:
         x = inputs.noise * state.init_noise_sigma
     elif plan.start == START_IMAGE:
-        z = vae.encode(inputs.image.astype(vae_dtype(vae))).sample(latent_key)
-        x = sched.add_noise(state, vae_cfg.to_latents(z).astype(jnp.float32), inputs.noise)
+        posterior = vae.encode(inputs.image)
+        eps = _per_image(inputs.keys, Stream.POSTERIOR, lambda k: jax.random.normal(k, posterior.mean.shape[1:]))
+        z = posterior.mean + posterior.std * eps
+        x = sched.add_noise(state, vae.config.to_latents(z), inputs.noise)
     else:
         x = inputs.image.astype(jnp.float32)
+    return Carry(x, state), Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales)
 
-    if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
-        image_latents = vae.encode(inputs.image.astype(vae_dtype(vae))).mode()
-        if fam.scaled_image_latents:
-            image_latents = image_latents * vae_cfg.scaling_factor
-        image_latents = image_latents.astype(dtype)
-        if plan.cfg:
-            image_latents = jnp.concatenate([image_latents, image_latents, jnp.zeros_like(image_latents)])
 
-    # the UNet batch: [text] or [negative, text] or pix2pix's [text, negative, negative]
-    if not plan.cfg:
-        ctx, added_text, time_ids = context, pooled, inputs.time_ids
-    elif fam.pix2pix:
-        ctx = jnp.concatenate([context, neg_context, neg_context])
-        added_text = None if pooled is None else jnp.concatenate([pooled, neg_pooled, neg_pooled])
-        time_ids = jnp.concatenate([inputs.time_ids] * 3)
-    else:
-        ctx = jnp.concatenate([neg_context, context])
-        added_text = None if pooled is None else jnp.concatenate([neg_pooled, pooled])
-        time_ids = jnp.concatenate([inputs.negative_time_ids, inputs.time_ids])
-    added = {"text_embeds": added_text, "time_ids": time_ids.astype(dtype)} if fam.xl else None
-    copies = (3 if fam.pix2pix else 2) if plan.cfg else 1
-    g, g_image, phi = inputs.scales[0], inputs.scales[1], inputs.scales[2]
+def _denoise(graphdef, params, carry: Carry, fixed: Fixed, plan: Plan, calls: int) -> tuple[Carry, jax.Array]:
+    """`calls` model calls from where `carry.state` is. Also returns the state's call index, a small
+    output the driver waits on to report progress (the carry itself is donated to the next call)."""
+    unet = nnx.merge(graphdef, params)
+    sched, guide, cond = plan.scheduler, plan.guidance, fixed.cond
+    added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if plan.family.xl else None
 
-    def body(i, carry):
-        st, x = carry
-        model_in = jnp.concatenate([sched.scale_model_input(st, x)] * copies).astype(dtype)
-        if fam.pix2pix:
-            model_in = jnp.concatenate([model_in, image_latents], axis=-1)
+    def call(_, carry: Carry) -> Carry:
+        st, x = carry.state, carry.latents
+        model_in = guide.model_input(sched.scale_model_input(st, x).astype(unet.compute.dtype), cond)
         t = jnp.broadcast_to(st.timestep, (model_in.shape[0],))
-        out = unet(model_in, t, ctx, added).astype(jnp.float32)
-        if plan.cfg and fam.pix2pix:
-            txt, img, unc = jnp.split(out, 3)
-            out = guidance.rescale(guidance.pix2pix(txt, img, unc, g, g_image), txt, phi)
-        elif plan.cfg:
-            unc, txt = jnp.split(out, 2)
-            out = guidance.rescale(guidance.classifier_free(unc, txt, g), txt, phi)
-        noise = jax.random.normal(jax.random.fold_in(step_key, i), x.shape, jnp.float32) if sched.stochastic else None
+        out = guide.combine(unet(model_in, t, cond.context, added).astype(jnp.float32), fixed.scales)
+        noise = None
+        if sched.stochastic:  # call index in the full schedule, so a refiner continues the base's stream
+            c = plan.begin + st.index
+            noise = _per_image(fixed.keys, Stream.STEP_NOISE,
+                               lambda k: jax.random.normal(jax.random.fold_in(k, c), x.shape[1:], jnp.float32))
         st, x = sched.step(st, out, x, noise)
-        jax.debug.callback(_report, i)
-        return st, x
+        return Carry(x, st)
 
-    _, x = jax.lax.fori_loop(0, state.num_calls, body, (state, x))
-    if not plan.decode:
-        return x
-    image = vae.decode(vae_cfg.from_latents(x).astype(vae_dtype(vae)))
-    return image.astype(jnp.float32)
+    carry = jax.lax.fori_loop(0, calls, call, carry)
+    return carry, carry.state.index
 
 
-def vae_dtype(vae) -> jnp.dtype:
-    return vae.decoder.conv_in.kernel.dtype
+def _decode(graphdef, params, latents: jax.Array) -> jax.Array:
+    vae = nnx.merge(graphdef, params)
+    return vae.decode(vae.config.from_latents(latents)).astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+    """One plan's compiled programs. sizes: the model calls of each denoise call, in order; denoise:
+    a program per distinct size; decode: None when the plan returns latents."""
+
+    prepare: Callable
+    denoise: dict[int, Callable]
+    sizes: tuple[int, ...]
+    decode: Callable | None
 
 
 class Sampler:
-    """Compiles and runs `_generate` for a set of loaded models on a mesh.
+    """Compiles and runs the programs for a set of loaded models on a mesh.
 
     models: {"unet", "vae", "text_encoder"[, "text_encoder_2"]} live nnx modules (already placed);
-    compile_log: called with (plan, seconds) after each compilation.
+    chunk: model calls per denoise call; compile_log: called with (plan, seconds) after each plan's
+    programs are compiled; compilations counts those plans.
     """
 
-    def __init__(self, models: Mapping[str, nnx.Module], mesh, compile_log: Callable | None = None):
-        self.graphdef, self.params = nnx.split(nnx.Dict(dict(models)))
+    def __init__(self, models: Mapping[str, nnx.Module], mesh, compile_log: Callable | None = None, chunk: int = 1):
+        self.models = dict(models)
+        split = {name: nnx.split(model) for name, model in self.models.items()}
+        self.graphdefs = {name: g for name, (g, _) in split.items()}
+        self.params = {name: p for name, (_, p) in split.items()}
         self.mesh = mesh
+        self.chunk = chunk
         self.compile_log = compile_log
-        self._compiled: dict[Plan, Callable] = {}
+        self._programs: dict[Plan, _Programs] = {}
         self.compilations = 0
 
     def place(self, inputs: Inputs) -> Inputs:
-        """Batch axes split over the mesh, everything else replicated."""
+        """Batch axes split over the mesh (the scheduler's sample-shaped history on its batch axis, the
+        4th from the end), everything else replicated."""
         batched = lambda a: jax.device_put(a, meshlib.batch_sharding(self.mesh, np.ndim(a)))
         rep = lambda a: jax.device_put(a, meshlib.replicated(self.mesh))
+
+        def history(a):  # (..., B, h, w, C)
+            spec = meshlib.batch_sharding(self.mesh, 4).spec
+            return jax.device_put(a, NamedSharding(self.mesh, PartitionSpec(*[None] * (np.ndim(a) - 4), *spec)))
+
+        state = jax.tree.map(rep, dataclasses.replace(inputs.state, history={}))
         return Inputs(
             ids=jax.tree.map(batched, inputs.ids),
             negative_ids=jax.tree.map(batched, inputs.negative_ids),
             zero_negative=batched(inputs.zero_negative),
             noise=batched(inputs.noise),
-            key=rep(inputs.key),
-            scales=rep(inputs.scales),
+            keys=batched(inputs.keys),
+            scales=jax.tree.map(rep, inputs.scales),
             time_ids=batched(inputs.time_ids),
             negative_time_ids=batched(inputs.negative_time_ids),
             image=batched(inputs.image) if np.shape(inputs.image)[0] else rep(inputs.image),
-            state=jax.tree.map(rep, inputs.state),
+            state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
         )
 
-    def compiled(self, plan: Plan, inputs: Inputs):
-        if plan not in self._compiled:
-            t0 = time.perf_counter()
-            fn = jax.jit(lambda params, inp: _generate(self.graphdef, params, inp, plan))
-            self._compiled[plan] = fn.lower(self.params, inputs).compile()
-            self.compilations += 1
-            if self.compile_log:
-                self.compile_log(plan, time.perf_counter() - t0)
-        return self._compiled[plan]
+    def _prepare_params(self, family: Family) -> dict:
+        return {name: self.params[name] for name in ("vae", *family.encoders)}
 
-    def __call__(self, plan: Plan, inputs: Inputs) -> jax.Array:
+    def compiled(self, plan: Plan, inputs: Inputs) -> _Programs:
+        """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings)."""
+        if plan in self._programs:
+            return self._programs[plan]
+        t0 = time.perf_counter()
+        params = self._prepare_params(plan.family)
+        graphdefs = {name: self.graphdefs[name] for name in params}
+        prepare = jax.jit(functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype))
+        prepare = prepare.lower(params, inputs).compile()
+        carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
+        keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
+        n = inputs.state.num_calls
+        sizes = (self.chunk,) * (n // self.chunk) + ((n % self.chunk,) if n % self.chunk else ())
+        denoise = {
+            calls: jax.jit(functools.partial(_denoise, self.graphdefs["unet"], plan=plan, calls=calls),
+                           out_shardings=keep, donate_argnums=1).lower(self.params["unet"], carry, fixed).compile()
+            for calls in set(sizes)
+        }
+        decode = None
+        if plan.decode:
+            decode = jax.jit(functools.partial(_decode, self.graphdefs["vae"])).lower(self.params["vae"], carry.latents).compile()
+        self._programs[plan] = _Programs(prepare, denoise, sizes, decode)
+        self.compilations += 1
+        if self.compile_log:
+            self.compile_log(plan, time.perf_counter() - t0)
+        return self._programs[plan]
+
+    def __call__(self, plan: Plan, inputs: Inputs, progress: Callable[[int], None] | None = None) -> jax.Array:
+        """Images (B, H, W, 3) float32 roughly in [-1, 1], or latents (B, h, w, C) when not plan.decode.
+        progress(n) is called as each denoise call's n model calls finish."""
         meshlib.check_batch(self.mesh, plan.batch)
         inputs = self.place(inputs)
-        return self.compiled(plan, inputs)(self.params, inputs)
+        programs = self.compiled(plan, inputs)
+        carry, fixed = programs.prepare(self._prepare_params(plan.family), inputs)
+        queued = []  # (index output, calls) of denoise calls not yet reported
+        for calls in programs.sizes:
+            carry, index = programs.denoise[calls](self.params["unet"], carry, fixed)
+            if progress is not None:
+                queued.append((index, calls))
+                if len(queued) > 1:  # report a call once done, while the next one already waits on the device
+                    _report(progress, *queued.pop(0))
+        out = carry.latents if programs.decode is None else programs.decode(self.params["vae"], carry.latents)
+        for done in queued:
+            _report(progress, *done)
+        return out
+
+
+def _report(progress: Callable[[int], None], index: jax.Array, calls: int) -> None:
+    index.block_until_ready()
+    progress(calls)

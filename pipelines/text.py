@@ -1,4 +1,4 @@
-"""Prompts to UNet conditioning: tokenising on the host, encoding inside the jitted sampler.
+"""Prompts to UNet conditioning: tokenising on the host, encoding inside the sampler's prepare program.
 
 Token ids are traced inputs, so a new prompt never recompiles; only the number of 75-token chunks
 (`--long-prompt chunk`) is a shape.

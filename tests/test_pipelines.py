@@ -117,21 +117,22 @@ def test_sdxl_text_to_image_two_prompts_zero_negative_clip_skip(tiny, tmp_path):
     assert_images_close(ours, to_uint8(ref))
 
 
-def test_sdxl_base_then_refiner(tiny, tmp_path):
+def test_sdxl_base_then_refiner_with_clip_skip(tiny, tmp_path):
     import diffusers
 
+    # diffusers applies clip skip to the prompts, never to the negative prompts
     base, base_folder = tiny("sdxl")
     refiner, refiner_folder = tiny("sdxl_refiner")
     path, noise = noise_file(tmp_path, latent_shape(base, 1, 64, 64))
     steps, frac = 6, 0.6
     latents = base("a red barn", negative_prompt="fog", num_inference_steps=steps, denoising_end=frac, latents=noise,
-                   output_type="latent", height=64, width=64).images
+                   output_type="latent", height=64, width=64, clip_skip=1).images
     assert isinstance(refiner, diffusers.StableDiffusionXLImg2ImgPipeline)
     ref = refiner("a red barn", negative_prompt="fog", image=latents, num_inference_steps=steps, denoising_start=frac,
-                   output_type="np").images
+                   output_type="np", clip_skip=1).images
     ours = run_cli(tmp_path, base_folder, "--refiner", str(refiner_folder), "--high-noise-frac", str(frac),
                    "--prompt", "a red barn", "--negative-prompt", "fog", "--steps", str(steps), "--latents", str(path),
-                   "--height", "64", "--width", "64")
+                   "--height", "64", "--width", "64", "--clip-skip", "1")
     assert_images_close(ours, to_uint8(ref))
 
 

@@ -1,10 +1,13 @@
-"""The sampler's contracts: sharded equals single-device, traced inputs never recompile, bad input is one line.
+"""The sampler's contracts: sharded equals single-device, traced inputs never recompile, progress is
+reported per model call, the programs go into JAX's persistent cache, the compute dtype is the model's,
+bad input is one line.
 
 These run on the embedded demo models (random weights, built once into a temporary cache).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,14 +15,18 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
-from pipelines.request import Request
+from pipelines.request import Request, batches
 from sdx import mesh as meshlib
+from sdx.layers import Compute
 from sdx.sample import main
+from sdx.unet import UNet2DConditionModel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,8 +43,10 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
     )
     pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     base = Request(prompts=["a lighthouse"], height=64, width=64, steps=3, seed=0, guidance_scale=5.0)
-    first = pipe(base)
+    bar = Bar()
+    first = pipe(base, bar)
     assert pipe.sampler.compilations == 1
+    assert bar.total == 3 and bar.updates == [1, 1, 1]  # one report per model call, as each finishes
     compiled_before = len(backend_compiles)
     variants = [
         Request(prompts=["a very different prompt, longer"], negative_prompts=["fog"], height=64, width=64, steps=3,
@@ -49,6 +58,75 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
     assert pipe.sampler.compilations == 1
     assert len(backend_compiles) == compiled_before, "XLA compiled again for a traced input's new value"
     assert not np.allclose(first, outs[0]) and not np.allclose(first, outs[1])  # the new values were used
+
+
+class Bar:
+    """The part of tqdm's interface the pipeline uses."""
+
+    def __init__(self):
+        self.total, self.updates = 0, []
+
+    def refresh(self):
+        pass
+
+    def update(self, n):
+        self.updates.append(n)
+
+
+def test_a_second_process_takes_every_program_from_the_persistent_cache(tiny_xl, tmp_path):
+    """No host callback in any program, so JAX's persistent compilation cache keeps them all."""
+    cache = tmp_path / "jax"
+    script = textwrap.dedent(
+        f"""
+        import json, jax
+        from pipelines.pipeline import Pipeline
+        from pipelines.request import Request
+        from pipelines.sampler import enable_compilation_cache
+        from sdx import mesh as meshlib
+        enable_compilation_cache({str(cache)!r}, min_compile_secs=0)
+        events = []
+        jax.monitoring.register_event_listener(lambda event, **_: events.append(event))
+        pipe = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+        pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0))
+        print(json.dumps({{"compiles": events.count("/jax/compilation_cache/compile_requests_use_cache"),
+                          "hits": events.count("/jax/compilation_cache/cache_hits")}}))
+        """
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        runs.append(json.loads(proc.stdout.splitlines()[-1]))
+    print(runs)
+    first, second = runs
+    assert first["hits"] == 0 and first["compiles"] > 0
+    assert second == {"compiles": first["compiles"], "hits": first["compiles"]}  # nothing compiled the second time
+    kept = {entry.name.split("-")[0] for entry in cache.iterdir()}
+    assert {"jit__prepare", "jit__denoise", "jit__decode"} <= kept
+
+
+def test_the_model_carries_its_compute_dtype(tiny_xl):
+    """float32 parameters computing in bfloat16 (training's master weights): the sampler feeds the UNet
+    bfloat16, read from the model's `compute`, not from a kernel's dtype."""
+    mesh = meshlib.make_mesh(devices=jax.devices()[:1])
+    full = Pipeline.load(tiny_xl, mesh=mesh)
+    unet = full.sampler.models["unet"]
+    mixed_unet = nnx.eval_shape(lambda: UNet2DConditionModel(
+        unet.config, Compute(dtype=jnp.bfloat16, param_dtype=jnp.float32), rngs=nnx.Rngs(0)))
+    nnx.update(mixed_unet, nnx.state(unet))
+    mixed = Pipeline.from_models({**full.sampler.models, "unet": mixed_unet}, family=full.family, scheduler=full.scheduler,
+                                 tokenizers=full.tokenizers, mesh=mesh, name="mixed")
+    assert {leaf.dtype for leaf in jax.tree.leaves(mixed.sampler.params["unet"])} == {jnp.dtype("float32")}
+
+    request = Request(prompts=["a red fox", "a boat"], height=64, width=64, steps=4, seed=1, guidance_scale=5.0)
+    plan, inputs, _ = batches(request, mixed.family, mixed.tokenizers, mixed.scheduler, factor=mixed.factor,
+                              channels=mixed.channels)[0]
+    _, fixed = mixed.sampler.compiled(plan, mixed.sampler.place(inputs)).prepare.out_info
+    assert fixed.cond.context.dtype == fixed.cond.time_ids.dtype == jnp.bfloat16
+    diff = np.abs(mixed(request) - full(request)) * 255
+    print(f"bfloat16 compute vs float32, 8-bit: mean {diff.mean():.2f}, max {diff.max():.1f}")
+    assert 0 < diff.mean() < 4.0
 
 
 def test_sharded_equals_single_device(tiny_xl, tmp_path):

@@ -24,10 +24,7 @@ def pipe(tmp_path_factory) -> Pipeline:
 
 
 def encoders(pipe: Pipeline) -> dict:
-    from flax import nnx
-
-    models = nnx.merge(pipe.sampler.graphdef, pipe.sampler.params)
-    return {name: models[name] for name in pipe.family.encoders}
+    return {name: pipe.sampler.models[name] for name in pipe.family.encoders}
 
 
 def test_truncation_warns_with_the_cut_text(pipe):

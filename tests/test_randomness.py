@@ -1,0 +1,115 @@
+"""Image j's randomness comes from its own key, `fold_in(PRNGKey(seed), j)`: its initial noise, every
+stochastic sampler step's noise and img2img's VAE posterior sample. So image j is the same at any batch
+size, with or without guidance, on one device or split over four (fake CPU devices, in a subprocess).
+
+The cases run on the embedded `tiny` demo model (random weights); InstructPix2Pix on the same model with
+an 8-channel UNet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from pipelines.demo import demo_folder
+from pipelines.pipeline import Pipeline
+from pipelines.request import Request
+from sdx import mesh as meshlib
+from sdx.unet import UNet2DConditionModel
+
+REPO = Path(__file__).resolve().parents[1]
+BATCH_SIZES = (1, 2, 4)
+
+
+def _image() -> np.ndarray:
+    yy, xx = np.mgrid[0:32, 0:32] / 32
+    return np.stack([yy, xx, np.sin(6 * xx * yy)], -1)[None].astype(np.float32) * 2 - 1  # (1, 32, 32, 3) in [-1, 1]
+
+
+# case -> (scheduler, what the request adds); every one draws something from the image keys
+CASES = {
+    "euler_a": ("euler_a", {}),
+    "euler_a_unguided": ("euler_a", {"guidance_scale": 1.0}),
+    "ddpm": ("ddpm", {}),
+    "ddim_eta_1": ("ddim", {}),
+    "img2img": ("euler", {"image": "image", "strength": 0.7}),  # a deterministic sampler: the posterior sample alone
+    "pix2pix": ("euler_a", {"image": "image"}),
+}
+
+
+def pipelines(folder: Path, mesh) -> dict[str, Pipeline]:
+    """case -> its pipeline on `mesh` (DDIM with eta = 1; InstructPix2Pix with a seeded 8-channel UNet)."""
+    out = {}
+    for case, (scheduler, _) in CASES.items():
+        pipe = Pipeline.load(folder, scheduler=scheduler, mesh=mesh)
+        if case == "ddim_eta_1":
+            pipe = dataclasses.replace(pipe, scheduler=dataclasses.replace(pipe.scheduler, eta=1.0))
+        if case == "pix2pix":
+            unet = pipe.sampler.models["unet"]
+            wide = UNet2DConditionModel(dataclasses.replace(unet.config, in_channels=8), unet.compute, rngs=nnx.Rngs(0))
+            nnx.update(wide, jax.device_put(nnx.state(wide), meshlib.replicated(mesh)))
+            pipe = Pipeline.from_models({**pipe.sampler.models, "unet": wide}, family=dataclasses.replace(pipe.family, pix2pix=True),
+                                        scheduler=pipe.scheduler, tokenizers=pipe.tokenizers, mesh=mesh, name="tiny-pix2pix")
+        out[case] = pipe
+    return out
+
+
+def image_one(pipes: dict[str, Pipeline], batch_size: int) -> dict[str, np.ndarray]:
+    """case -> image 1 of four (two prompts, two images each), generated `batch_size` at a time."""
+    out = {}
+    for case, (_, extra) in CASES.items():
+        fields = dict(prompts=["a red fox", "a blue boat"], num_images_per_prompt=2, height=32, width=32, steps=3,
+                      seed=7, guidance_scale=5.0, batch_size=batch_size)
+        fields.update({k: _image() if v == "image" else v for k, v in extra.items()})
+        request = Request(**fields)
+        out[case] = pipes[case](request)[1]
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return demo_folder("tiny", tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def one_device(folder) -> dict[int, dict[str, np.ndarray]]:
+    pipes = pipelines(folder, meshlib.make_mesh(devices=jax.devices()[:1]))
+    assert all(p.scheduler.stochastic for c, p in pipes.items() if c != "img2img")
+    return {b: image_one(pipes, b) for b in BATCH_SIZES}
+
+
+@pytest.fixture(scope="module")
+def four_devices(folder, tmp_path_factory) -> dict[str, np.ndarray]:
+    out = tmp_path_factory.mktemp("sharded") / "images.npz"
+    script = textwrap.dedent(
+        f"""
+        import jax, numpy as np
+        from pathlib import Path
+        from sdx import mesh as meshlib
+        from tests.test_randomness import image_one, pipelines
+        assert jax.device_count() == 4, jax.devices()
+        np.savez({str(out)!r}, **image_one(pipelines(Path({str(folder)!r}), meshlib.make_mesh()), 4))
+        """
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_image_is_the_same_at_any_batch_size_and_on_any_mesh(case, one_device, four_devices):
+    alone = one_device[1][case]
+    for batch_size in BATCH_SIZES[1:]:
+        np.testing.assert_allclose(one_device[batch_size][case], alone, atol=1e-5, err_msg=f"batch size {batch_size}")
+    np.testing.assert_allclose(four_devices[case], alone, atol=1e-5, err_msg="4 devices")
+
