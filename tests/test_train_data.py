@@ -213,6 +213,32 @@ def _rgb(cell) -> np.ndarray:
     return np.asarray(data.decode_image(cell))
 
 
+def test_decode_converts_modes():
+    rgb = td.random_picture(6, 5, 1)
+    grey = rgb[..., 0]
+    np.testing.assert_array_equal(_rgb(td.encode(grey)), np.repeat(grey[..., None], 3, -1))  # L
+    la = Image.fromarray(np.stack([grey, np.full_like(grey, 7)], -1), "LA")
+    np.testing.assert_array_equal(_rgb(td.encode(la)), np.repeat(grey[..., None], 3, -1))
+    rgba = np.concatenate([rgb, np.zeros_like(rgb[..., :1])], -1)  # fully transparent: alpha dropped
+    np.testing.assert_array_equal(_rgb(td.encode(rgba)), rgb)
+    palette = Image.fromarray(rgb).quantize(8)
+    np.testing.assert_array_equal(_rgb(td.encode(palette)), np.asarray(palette.convert("RGB")))
+    palette.info["transparency"] = 0
+    assert _rgb(td.encode(palette)).shape == (6, 5, 3)
+    cmyk = Image.new("CMYK", (5, 6), (0, 255, 255, 0))  # pure red
+    np.testing.assert_array_equal(_rgb(td.encode(cmyk, "TIFF"))[0, 0], [255, 0, 0])
+    bits = Image.fromarray(grey > 127)
+    np.testing.assert_array_equal(_rgb(td.encode(bits))[..., 1], np.where(grey > 127, 255, 0))
+    # 16 bits: the high byte, for greyscale (PIL alone would clip at 255) as for RGB
+    g16 = np.arange(30, dtype=np.uint16).reshape(6, 5, 1) * 2000
+    np.testing.assert_array_equal(_rgb(td.png16(g16)), np.repeat(g16 >> 8, 3, -1))
+    np.testing.assert_array_equal(_rgb(td.encode(Image.fromarray(g16[..., 0]), "TIFF")), np.repeat(g16 >> 8, 3, -1))
+    c16 = np.arange(90, dtype=np.uint16).reshape(6, 5, 3) * 700
+    np.testing.assert_array_equal(_rgb(td.png16(c16)), c16 >> 8)
+    a16 = np.concatenate([c16, np.full_like(c16[..., :1], 65535)], -1)
+    np.testing.assert_array_equal(_rgb(td.png16(a16)), c16 >> 8)
+
+
 def test_decode_applies_exif_orientation():
     pic = Image.fromarray(td.coordinates(4, 8))
     exif = Image.Exif()
