@@ -3,6 +3,7 @@ async saves against donated buffers, --resume_from_checkpoint, graceful stop on 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import shutil
@@ -11,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -270,15 +273,32 @@ def test_latest_ignores_a_checkpoint_whose_write_was_cut_off(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3"]
 
 
+def gate_commits(open_: Callable[[], bool]) -> None:
+    """Hold every later Orbax commit (the rename of `<step>.orbax-checkpoint-tmp`) until open_() is true,
+    so that a test's kill or signal lands while the save is still in flight, whatever the machine's load."""
+    from orbax.checkpoint._src.path import atomicity
+
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def gated(self):
+        while not open_():
+            await asyncio.sleep(0.01)
+        await finalize(self)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = gated
+
+
 def test_a_save_killed_mid_write_is_not_a_checkpoint(tmp_path):
     """SIGKILL while a large asynchronous save is being written: the previous checkpoint stays the latest."""
     ckdir = tmp_path / "checkpoints"
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
-            import jax, jax.numpy as jnp, numpy as np
+            import asyncio, jax, jax.numpy as jnp, numpy as np
+            from tests.test_train_checkpoint import gate_commits
             from train import checkpoint
             ckpts = checkpoint.Checkpoints({str(ckdir)!r})
             ckpts.save(1, {{"w": jnp.zeros((4,)), "step": jnp.int32(1)}}, {{"step": 1}}, force=True)
+            gate_commits(lambda: False)  # from here on nothing commits: the kill lands before the rename
             big = jnp.asarray(np.random.default_rng(0).random((64, 1024, 1024), dtype=np.float32))  # 256 MiB
             ckpts.save(2, {{"w": big, "step": jnp.int32(2)}}, {{"step": 2}})
             print("writing", flush=True)
@@ -291,6 +311,8 @@ def test_a_save_killed_mid_write_is_not_a_checkpoint(tmp_path):
     try:
         line = proc.stdout.readline()
         assert line == "writing\n", line + proc.stderr.read()
+        in_flight = ckdir / f"2{TMP_SUFFIX}"  # (its items too are written under temporary names)
+        wait_for(lambda: any(p.parent.name == "d" and p.is_file() for p in in_flight.rglob("*")))  # data chunks
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
@@ -352,21 +374,24 @@ def test_resolve(tmp_path, monkeypatch):
 # -- signals
 
 
+def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
 def test_stop_flag_and_handlers_restored():
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     logged = []
     with GracefulStop(log=logged.append) as stop:
         assert stop.installed and not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(100):  # the handler runs in the main thread between bytecodes
-            if stop.requested:
-                break
-        assert stop.requested
+        wait_for(lambda: stop.requested)  # the handler runs in the main thread, between bytecodes
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt
+        wait_for(lambda: len(stop.received) == 2)
         os.kill(os.getpid(), signal.SIGTERM)
-        for _ in range(100):
-            if len(stop.received) == 3:
-                break
+        wait_for(lambda: len(stop.received) == 3)
         assert stop.received == [signal.SIGTERM, signal.SIGINT, signal.SIGTERM]
         assert stop.requested_anywhere()
     assert {s: signal.getsignal(s) for s in before} == before
@@ -389,9 +414,11 @@ def test_stop_off_the_main_thread_is_inert():
 
 
 LOOP = """
-import sys, time, jax, jax.numpy as jnp, numpy as np
+import os, sys, time, jax, jax.numpy as jnp, numpy as np
+from tests.test_train_checkpoint import gate_commits
 from train import checkpoint
 from train.signals import GracefulStop
+gate_commits(lambda: os.path.exists(sys.argv[2]))  # the test's later signals land while the save is in flight
 ckpts = checkpoint.Checkpoints(sys.argv[1])
 state = {"w": jnp.asarray(np.random.default_rng(0).random((32, 1024, 1024), dtype=np.float32)), "step": jnp.int32(0)}
 step_fn = jax.jit(lambda s: {"w": s["w"] + 1, "step": s["step"] + 1}, donate_argnums=0)
@@ -401,10 +428,9 @@ with GracefulStop() as stop:
         jax.block_until_ready(state)
         print(f"step {step}", flush=True)
         if stop.requested:
-            print("saving", flush=True)
             ckpts.save(step, state, {"step": step})
-            time.sleep(0.5)  # the save is in flight: the test's next signal lands now
-            ckpts.save(step, state, {"step": step}, force=True)  # waits for the commit
+            print("saving", flush=True)  # the write is in flight; its commit waits for the test's signals
+            ckpts.save(step, state, {"step": step}, force=True)  # already saved: only waits for the commit
             print(f"saved {step} with {len(stop.received)} signals; continue with --resume_from_checkpoint latest", flush=True)
             break
         time.sleep(0.05)
@@ -412,33 +438,36 @@ ckpts.close()
 """
 
 
-def test_signals_stop_the_loop_after_a_checkpoint(tmp_path):
-    """SIGINT stops the loop at a step boundary; a SIGTERM and a SIGINT during the save do not kill it."""
+@pytest.mark.parametrize("first", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signals_stop_the_loop_after_a_checkpoint(tmp_path, first):
+    """A signal stops the loop at a step boundary; a SIGTERM and a SIGINT during the save do not kill it."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", LOOP, str(tmp_path)], cwd=REPO,
+        [sys.executable, "-c", LOOP, str(tmp_path / "checkpoints"), str(tmp_path / "signals-sent")], cwd=REPO,
         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         assert proc.stdout.readline() == "step 1\n", proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(first)
         lines = []
         while not lines or lines[-1] != "saving\n":
             line = proc.stdout.readline()
             assert line, "".join(lines) + proc.stderr.read()
             lines.append(line)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(0.05)  # (two signals of one kind could merge; these are two kinds, but keep them apart)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        (tmp_path / "signals-sent").touch()  # lets the save commit
+        out, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert proc.returncode == 0, out + err
     step = int(lines[-2].split()[1])
     assert out.startswith(f"saved {step} with 3 signals; continue with --resume_from_checkpoint latest"), out
     assert err.count("stopping after the checkpoint is written") == 1, err
-    assert "SIGINT received" in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    assert checkpoint.complete_steps(tmp_path) == [step]
+    assert f"{first.name} received" in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert checkpoint.complete_steps(tmp_path / "checkpoints") == [step]
     like = {"w": jnp.zeros((32, 1024, 1024), jnp.float32), "step": jnp.int32(0)}
-    state, meta = checkpoint.Checkpoints(tmp_path).restore(step, like)
+    state, meta = checkpoint.restore(tmp_path / "checkpoints" / str(step), like)
     assert meta == {"step": step} and int(state["step"]) == step
     assert float(state["w"][0, 0, 0]) == pytest.approx(float(np.random.default_rng(0).random(dtype=np.float32)) + step)

@@ -1,12 +1,14 @@
 """Resumable training checkpoints: a thin layer over an Orbax `CheckpointManager`.
 
-    ckpts = Checkpoints(output_dir / "checkpoints", keep=cfg.checkpoints_total_limit)
-    ckpts.save(step, state, meta) -> bool      # asynchronous: returns once the arrays are on the host
+    ckpts = Checkpoints(output_dir / "checkpoints", keep=cfg.checkpoints_total_limit, async_save=True)
+    ckpts.save(step, state, meta, force=False) -> bool  # returns once the arrays are on the host;
+                                               # force=True: once the checkpoint is committed
     ckpts.latest() -> int | None               # newest *complete* checkpoint on disk
     ckpts.steps() -> list[int]                 # every complete checkpoint, oldest first
     ckpts.restore(step_or_path, like) -> (state, meta)
     ckpts.wait(); ckpts.close()                # (also a context manager)
-    resolve(cfg.resume_from_checkpoint, output_dir) -> Path | None
+    resolve(cfg.resume_from_checkpoint, output_dir) -> Path | None   # diffusers' semantics
+    restore(path, like) -> (state, meta)       # one checkpoint folder, without a manager
 
 What a checkpoint holds is only what changes during training: `state`, a pytree of arrays (the
 trainable parameters, the optax state, the EMA shadow, the step count, a PRNG key — typed keys are
@@ -27,10 +29,11 @@ rename it writes `commit_success.txt` instead). Only committed folders count as 
 `Checkpoints` removes the leftovers of interrupted writes.
 
 Asynchrony: `save` waits for the previous save to be committed, copies every array to host memory
-(Orbax's synchronous device-to-host transfer when no `save_device_host_concurrent_gb` limit is set,
-which is never set here), and returns; the files are written by a background thread. The caller may
-then donate or overwrite the state's buffers: the checkpoint holds its own host copy (on the CPU
-backend a zero-copy view that keeps the buffer alive: XLA then declines the donation and copies).
+and returns; a background thread writes the files and commits. The copy is Orbax's device-to-host
+transfer, done before `save` returns for every array of a `StandardSave` (only a PyTree handler with
+`save_device_host_concurrent_gb` defers some, and none is used here). So the caller may donate the
+state's buffers to the next step at once: the checkpoint holds its own host copy (on the CPU backend
+a zero-copy view that keeps the buffer alive, so XLA declines the donation and the step copies).
 
 Steps: saving a step this object already saved does nothing (returns False), e.g. the stop checkpoint
 right after the periodic one of the same step. Checkpoints this object did not write that lie beyond
@@ -107,10 +110,9 @@ def _check_matches(saved: Mapping[tuple[str, ...], Any], wanted: Mapping[tuple[s
         have, want = saved[key], wanted[key]
         if not hasattr(want, "shape") or not hasattr(have, "shape"):
             continue
-        # a typed PRNG key is stored as its raw uint32 data
         want_shape, want_dtype = tuple(want.shape), want.dtype
         if jax.dtypes.issubdtype(want_dtype, jax.dtypes.prng_key):
-            continue
+            continue  # stored as its raw uint32 data, of another shape (Orbax checks it on restore)
         if tuple(have.shape) != want_shape or have.dtype != want_dtype:
             problems.append(f"{_describe(key)}: the checkpoint has {have.dtype}{list(have.shape)}, "
                             f"this run {want_dtype}{list(want_shape)}")
@@ -165,7 +167,7 @@ class Checkpoints:
         last_good = step - 1 if self._resumed_from is None else min(self._resumed_from, step - 1)
         stale = [s for s in self._manager.all_steps() if s > last_good and s not in self._written]
         for s in stale:  # left by a run that went further than the point this one started from
-            _stderr(f"removing checkpoint {self.path(s)}: this run resumed from an earlier step")
+            _stderr(f"removing checkpoint {self.path(s)}: an earlier run's, past the step this run started from")
             self._manager.delete(s)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
         # force=True to Orbax: the caller decides when to save (Orbax's own policy would skip steps)

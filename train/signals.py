@@ -9,9 +9,11 @@
 
 The handlers only record the signal: nothing is raised inside the step or inside a checkpoint write, so
 a second Ctrl-C (or the scheduler's repeated SIGTERM) while the checkpoint is written cannot cut it
-short; it prints, once, that the run stops after the checkpoint is written. (A write killed by SIGKILL
-is never mistaken for a checkpoint either: see train/checkpoint.py.) The previous handlers are put back
-when the block exits.
+short; it prints, once, that the run stops after the checkpoint is written. (Python runs a handler in
+the main thread between bytecodes: while that thread is blocked waiting for Orbax's commit the signal
+stays pending, and its line comes when the wait returns.) A write killed by SIGKILL is never mistaken
+for a checkpoint either (see train/checkpoint.py). The previous handlers are put back when the block
+exits.
 
 Python runs signal handlers in the main thread only, and only the main thread may install them: used
 from any other thread the context manager installs nothing and `requested` stays False.
