@@ -12,12 +12,12 @@ import sys
 from convert.library import WRITERS, convert
 from convert.sources import ModelOptions
 from sdx import weights
-from sdx.errors import SdxError
+from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m convert",
+    p = ArgumentParser(
+        prog="python -m convert", hint=" (see python -m convert --help)",
         description="Convert a model (diffusers folder, hub id, single-file checkpoint or sdx folder) into an sdx "
                     "model folder, a diffusers folder or a single file.",
     )
@@ -52,11 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, as every sdx CLI error
-        print(f"error: {message} (see python -m convert --help)", file=sys.stderr)
-        raise SystemExit(2)
-
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
@@ -69,5 +64,5 @@ def main(argv: list[str] | None = None) -> int:
         )
     except SdxError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     return 0

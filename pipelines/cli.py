@@ -24,15 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-from sdx.errors import SdxError
-
-EXIT_USAGE = 2
+from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every sdx error
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -43,9 +37,10 @@ def _size(text: str) -> tuple[int, int]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from sdx.attention import BACKENDS
     from sdx.schedulers import SCHEDULERS
 
-    p = _Parser(prog="python -m sdx.sample", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m sdx.sample", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny",
                    help="sdx folder, diffusers folder, single-file checkpoint, hub id, or demo model (tiny, tiny_xl)")
     p.add_argument("--config", metavar="FOLDER",
@@ -89,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--crops-top-left", type=_size, default=(0, 0), help="SDXL micro-conditioning, TOPxLEFT")
     p.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
     p.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
-    p.add_argument("--attention", choices=("xla", "cudnn", "chunked"), default="xla")
+    p.add_argument("--attention", choices=BACKENDS, default="xla")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
     p.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
     p.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")

@@ -4,6 +4,24 @@ The command-line entry points print its message on one line and exit with status
 that escapes is a bug in sdx and keeps its traceback.
 """
 
+import argparse
+import sys
+
+EXIT_USAGE = 2
+
 
 class SdxError(Exception):
     """Input-level failure with a message that says what was wrong and what to do."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one `error:` line and exit status 2, like every other sdx error.
+    hint: appended to the message, e.g. " (see python -m convert --help)"."""
+
+    def __init__(self, *args, hint: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hint = hint
+
+    def error(self, message):
+        print(f"error: {message}{self.hint}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)

@@ -22,7 +22,8 @@ import dataclasses
 import sys
 from typing import Any
 
-from sdx.errors import SdxError
+from sdx.attention import BACKENDS
+from sdx.errors import ArgumentParser, SdxError
 from train.lr import SCHEDULES
 from train.objective import PREDICTION_TYPES
 
@@ -150,11 +151,6 @@ _DEFAULTS = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every sdx error
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
 
 def _flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
     """Add --name and its dashed spelling --na-me, both writing `name`."""
@@ -168,7 +164,7 @@ def _bool(p, name: str, help: str) -> None:
 
 def parser(task: str) -> argparse.ArgumentParser:
     d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task]
-    p = _Parser(prog=f"python -m train.{task}", allow_abbrev=False,
+    p = ArgumentParser(prog=f"python -m train.{task}", allow_abbrev=False,
                 description=f"Fine-tune with sdx ({task}); flags as diffusers' training scripts.")
     opt = lambda name, help, **kw: _flag(p, name, default=d[name], help=help, **kw)
 
@@ -219,7 +215,7 @@ def parser(task: str) -> argparse.ArgumentParser:
     opt("adam_epsilon", "AdamW epsilon", type=float)
     opt("max_grad_norm", "clip the global gradient norm to this (0: no clipping)", type=float)
     opt("mixed_precision", "bf16: bfloat16 compute, float32 master weights", choices=("no", "bf16", "fp16"))
-    opt("attention", "attention backend", choices=("xla", "cudnn", "chunked"))
+    opt("attention", "attention backend", choices=BACKENDS)
     opt("fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)", type=int)
 
     if task != "vae":
@@ -274,25 +270,20 @@ def parse(task: str, argv: list[str] | None = None) -> TrainConfig:
     if task not in TASKS:
         raise ValueError(task)
     argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser(task)
     for arg in argv:
         name = arg.lstrip("-").split("=", 1)[0].replace("-", "_")
         if arg.startswith("--") and name in UNSUPPORTED:
-            _die(f"--{name} (a diffusers flag) is not supported by sdx: {UNSUPPORTED[name]}")
-    ns = parser(task).parse_args(argv)
-    values = {k: v for k, v in vars(ns).items()}
+            p.error(f"--{name} (a diffusers flag) is not supported by sdx: {UNSUPPORTED[name]}")
+    values = dict(vars(p.parse_args(argv)))
     if "validation_prompt" in values:
         values["validation_prompt"] = tuple(values["validation_prompt"])
     cfg = TrainConfig(task=task, **values)
     try:
         check(cfg)
     except SdxError as e:
-        _die(str(e))
+        p.error(str(e))
     return cfg
-
-
-def _die(message: str):
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def check(c: TrainConfig) -> None:

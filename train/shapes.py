@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sdx.errors import SdxError
+from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
 
 # The palette: saturated, far-apart sRGB values (the closest pair, yellow/orange, is 104 apart).
 PALETTE: dict[str, tuple[int, int, int]] = {
@@ -55,7 +55,6 @@ MARGIN = 0.06  # every shape keeps this fraction of the side clear of the border
 SUPERSAMPLE = 4
 DEFAULT_SIZE = 64
 
-EXIT_USAGE = 2
 
 
 def half_extent(shape: str, scale: float) -> float:
@@ -380,15 +379,10 @@ def _umask() -> int:
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every sdx error
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
-
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train.shapes", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="kind", required=True, metavar="{captions,edits}", parser_class=_Parser)
+    p = ArgumentParser(prog="python -m train.shapes", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="kind", required=True, metavar="{captions,edits}", parser_class=ArgumentParser)
     for kind, help in (("captions", "text-to-image examples: image, text"),
                        ("edits", "InstructPix2Pix pairs: input_image, edit_prompt, edited_image")):
         s = sub.add_parser(kind, help=help, description=help)

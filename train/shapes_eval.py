@@ -28,14 +28,13 @@ from pathlib import Path
 
 import numpy as np
 
-from sdx.errors import SdxError
+from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
 from train.shapes import COLOURS, EDIT_KINDS, PALETTE, SHAPES, Scene
 
 ROUGH_DISTANCE = 48.0  # RGB distance from the background that surely is foreground (a first guess)
 MIN_AREA = 0.01  # a foreground under this fraction of the image is no shape
 MIN_IOU = 0.6  # the best template must overlap the foreground this well
 MAX_ASPECT = 1.5  # every shape of the world has a square bounding box
-EXIT_USAGE = 2
 
 _PALETTE = np.asarray([PALETTE[c] for c in COLOURS], np.float64)
 _ATTRIBUTES = ("shape", "colour", "background")
@@ -279,14 +278,9 @@ def format_reports(text: Report | None, edits: dict[str, Report] | None) -> str:
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every sdx error
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE)
-
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train.shapes_eval", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m train.shapes_eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="text-to-image model (sdx folder, or anything `python -m sdx.sample --model` takes)")
     p.add_argument("--edit-model", help="InstructPix2Pix model to measure on the three edit kinds")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 for every prompt and edit (default 2)")
