@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
@@ -33,7 +34,12 @@ def _argv(model, data, out, *extra):
 def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup):
     root, model = setup
     a, b = root / "a", root / "b"
-    assert pix2pix.train(_argv(model, root / "ds", a)) == 0
+    Image.fromarray(np.full((40, 48, 3), 200, np.uint8)).save(root / "val.png")
+    validation = ["--validation_prompt", "make the circle red", "--val_image_url_or_path", str(root / "val.png"),
+                  "--num_validation_images", "2", "--validation_steps", "4", "--validation_inference_steps", "2"]
+    assert pix2pix.train(_argv(model, root / "ds", a, *validation)) == 0
+    grid = np.asarray(Image.open(a / "validation" / "step-000004.png"))
+    assert grid.shape == (32, 64, 3) and grid.std() > 0  # two 32 px images side by side
     (b / "checkpoints").mkdir(parents=True)
     shutil.copytree(a / "checkpoints" / "2", b / "checkpoints" / "2")
     assert pix2pix.train(_argv(model, root / "ds", b, "--resume_from_checkpoint", "latest")) == 0

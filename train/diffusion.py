@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from PIL import Image
 
 from pipelines import text as textlib
 from pipelines.pipeline import Pipeline, _trained_size
@@ -95,7 +94,7 @@ class DiffusionTask:
     def loss_fn(self, graphdef):
         return denoise.loss_fn(graphdef, self.loss_config, self.null)
 
-    def validate(self, unet: nnx.Module, step: int, out: Path, metrics) -> None:
+    def validate(self, unet: nnx.Module, step: int, metrics) -> None:
         cfg, m = self.cfg, self.models
         factor = m.vae.config.downsample_factor
         pipe = Pipeline(family=m.family, scheduler=schedulers.from_config(m.scheduler_config), tokenizers=m.tokenizers,
@@ -110,12 +109,7 @@ class DiffusionTask:
                               steps=cfg.validation_inference_steps, num_images_per_prompt=cfg.num_validation_images,
                               seed=cfg.seed, image=image,
                               guidance_scale=5.0 if m.family.xl else 7.5))
-        grid = _grid((images * 255).round().astype(np.uint8), cfg.num_validation_images)
-        if jax.process_index() == 0:
-            folder = out / "validation"
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(grid).save(folder / f"step-{step:06d}.png")
-            metrics.image(step, "validation", grid)
+        metrics.image(step, "validation", _grid((images * 255).round().astype(np.uint8), cfg.num_validation_images))
 
     def export(self, unet: nnx.Module, out: Path) -> None:
         m = self.models

@@ -15,11 +15,9 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-import numpy as np
 
 from convert import library as convert_lib
 from sdx import model_folder
-from sdx.errors import SdxError
 
 
 def write_model(
@@ -64,9 +62,3 @@ def write_model(
         log(f"diffusers folder written to {out / 'diffusers'}")
     return out
 
-
-def unet_part(spec: Mapping, config, arrays: Mapping[str, np.ndarray], source_config) -> model_folder.ModelPart:
-    entry = spec["components"]["unet"]
-    if set(arrays) != set(model_folder.MODEL_KINDS["unet"].param_shapes(config)):
-        raise SdxError("the trained UNet's parameters do not match its config")
-    return model_folder.ModelPart(cls=entry["class"], config=config, arrays=arrays, source_config=source_config)

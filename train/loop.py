@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 
 from sdx import mesh as meshlib
@@ -47,7 +46,7 @@ class Task(Protocol):
     def batch_shapes(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]: ...
     def step_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]: ...
     def loss_fn(self, graphdef) -> steplib.LossFn: ...
-    def validate(self, module: nnx.Module, step: int, out: Path, metrics: Metrics) -> None: ...
+    def validate(self, module: nnx.Module, step: int, metrics: Metrics) -> None: ...
     def export(self, module: nnx.Module, out: Path) -> None: ...
 
 
@@ -171,9 +170,9 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
                 raise SdxError(f"the loss became {values['loss']} at step {step}; lower --learning_rate")
             if step % cfg.checkpointing_steps == 0 or step == sched.total:
                 save(step)
-            if cfg_validates(cfg) and validation_due(cfg, step, sched):
-                task.validate(module_for_export(graphdef, state), step, out, metrics)
-            if stop.requested and step < sched.total:
+            if (cfg.validation_prompt or cfg.task == "vae") and validation_due(cfg, step, sched):
+                task.validate(module_for_export(graphdef, state), step, metrics)
+            if step < sched.total and stop.requested_anywhere():
                 save(step, force=True)
                 stopped = True
                 break
@@ -196,10 +195,6 @@ def _flat(state: steplib.TrainState) -> dict[str, jax.Array]:
     """The state's leaves keyed by position ("00000", ...): what a checkpoint stores. The structure comes
     back from the live state at restore (nnx's integer-keyed lists do not survive Orbax's tree restore)."""
     return {f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(state))}
-
-
-def cfg_validates(cfg: TrainConfig) -> bool:
-    return bool(getattr(cfg, "validation_prompt", ())) or cfg.task == "vae"
 
 
 def module_for_export(graphdef, state: steplib.TrainState) -> nnx.Module:

@@ -14,12 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import jax
+from PIL import Image
 from tqdm import tqdm
 
 
 class Metrics:
     def __init__(self, output_dir: Path, *, total_steps: int, start_step: int, tensorboard_dir: Path | None):
         self.main = jax.process_index() == 0
+        self.output_dir = output_dir
         self.path = output_dir / "metrics.jsonl"
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", disable=not self.main, dynamic_ncols=True)
         self.writer = None
@@ -46,7 +48,12 @@ class Metrics:
                 self.writer.add_scalar(f"train/{k}", v, step)
 
     def image(self, step: int, tag: str, grid) -> None:
-        """grid: uint8 (H, W, 3)."""
+        """A validation picture, grid uint8 (H, W, 3): output_dir/validation/step-NNNNNN.png and TensorBoard."""
+        if not self.main:
+            return
+        folder = self.output_dir / "validation"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(grid).save(folder / f"step-{step:06d}.png")
         if self.writer is not None:
             self.writer.add_image(tag, grid, step, dataformats="HWC")
 

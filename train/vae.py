@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from PIL import Image
 
 from sdx import io, mesh as meshlib
 from sdx import model_folder, presets, weights
 from sdx.errors import SdxError
-from sdx.vae import AutoencoderKL, DiagonalGaussian, VAEConfig
+from sdx.vae import AutoencoderKL, VAEConfig
 from train import config as configlib
 from train import data, export, loop, models, objective, sources
 from train.config import TrainConfig
@@ -91,17 +90,12 @@ class VAETask:
     def loss_fn(self, graphdef):
         return vae_loss(graphdef, self.cfg)
 
-    def validate(self, vae: nnx.Module, step: int, out: Path, metrics) -> None:
+    def validate(self, vae: nnx.Module, step: int, metrics) -> None:
         """Originals (top row) over their reconstructions from the posterior mode (bottom row)."""
         x = self.fixed
         recon = np.asarray(jax.jit(lambda v, a: v(a))(vae, jnp.asarray(x)), np.float32)
         pair = np.concatenate([np.concatenate(list(x), axis=1), np.concatenate(list(recon), axis=1)], axis=0)
-        grid = ((np.clip(pair, -1, 1) + 1) * 127.5).round().astype(np.uint8)
-        if jax.process_index() == 0:
-            folder = out / "validation"
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(grid).save(folder / f"step-{step:06d}.png")
-            metrics.image(step, "reconstruction", grid)
+        metrics.image(step, "reconstruction", ((np.clip(pair, -1, 1) + 1) * 127.5).round().astype(np.uint8))
 
     def export(self, vae: nnx.Module, out: Path) -> None:
         if jax.process_index() != 0:
