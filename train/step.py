@@ -47,10 +47,25 @@ class TrainState:
 
 
 def init_state(params, tx: optax.GradientTransformation, use_ema: bool) -> TrainState:
-    """The state before the first step; optimizer moments and EMA take the parameters' shardings."""
-    opt = jax.jit(tx.init)(params)
+    """The state before the first step: the optimizer's per-parameter trees (Adam's moments) and the EMA
+    take the parameters' shardings, its scalars (counts) and the step are replicated over the same
+    devices. (A plain `jax.jit(tx.init)` would put every moment, unsplit, on the default device.)"""
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    replicated = _replicated(jax.tree.leaves(shardings)[0])
+    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), shardings,
+                                          transform_non_params=lambda _: replicated)
+    opt = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     ema = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params) if use_ema else None
-    return TrainState(params=params, opt=opt, ema=ema, step=jnp.zeros((), jnp.int32))
+    return TrainState(params=params, opt=opt, ema=ema, step=jax.device_put(jnp.zeros((), jnp.int32), replicated))
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """A sharding that replicates an array over the devices of `sharding`."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return meshlib.replicated(sharding.mesh)
+    if len(sharding.device_set) == 1:
+        return sharding
+    raise TypeError(f"parameters placed with {sharding}; place them with a NamedSharding over a mesh")
 
 
 def sample_keys(seed_key: jax.Array, step: jax.Array, index: jax.Array) -> jax.Array:
