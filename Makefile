@@ -4,10 +4,15 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PROMPT ?= a watercolor lighthouse at dawn
-MODEL ?= tiny
+MODEL ?= default
+# eight prompts of the shapes world the default model was trained on (train/shapes.py)
+DEMO_PROMPTS := "a red circle on a blue background" "a yellow triangle on a purple background" \
+	"a white square on a black background" "a green circle on an orange background" \
+	"a blue square on a yellow background" "an orange triangle on a green background" \
+	"a purple circle on a white background" "a black triangle on a red background"
+PROMPT ?=
 
-.PHONY: demo test venv venv-test clean
+.PHONY: demo test venv venv-train venv-test default-models clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,18 +22,30 @@ $(VENV)/.runtime: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
+$(VENV)/.train: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[train]'
+	touch $(VENV)/.runtime $@
+
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	# only for its packaged CLIP BPE vocabulary (its own dependencies would pull torchvision)
 	$(BIN)/pip install -q --no-deps open_clip_torch
-	touch $(VENV)/.runtime $@
+	touch $(VENV)/.runtime $(VENV)/.train $@
 
 venv: $(VENV)/.runtime
+venv-train: $(VENV)/.train
 venv-test: $(VENV)/.test
 
+# A grid of eight prompts from the default model (outputs/demo-grid.png; the single images in outputs/demo/).
+# Another model and prompt: make demo MODEL=stabilityai/stable-diffusion-xl-base-1.0 PROMPT="a lighthouse"
 demo: venv
-	$(BIN)/python -m sdx.sample --model $(MODEL) --prompt "$(PROMPT)" --output outputs/demo.png --overwrite
+	$(BIN)/python -m sdx.sample --model $(MODEL) --prompt $(if $(PROMPT),"$(PROMPT)",$(DEMO_PROMPTS)) \
+		--output outputs/demo --grid outputs/demo-grid.png --overwrite
+
+# The default models from scratch (train/recipe.sh): datasets, VAE, text-to-image, InstructPix2Pix, pack, evaluation.
+default-models: venv-train
+	PYTHON=$(BIN)/python bash train/recipe.sh
 
 test: venv-test
 	$(BIN)/python -m pytest -n 2 -q tests

@@ -4,8 +4,10 @@
         --steps 30 --dtype bfloat16 --output out.png
 
 --model takes an sdx folder, a diffusers folder, a single-file checkpoint, a hub id (converted once
-into the cache; --lora, --vae and --config are applied in that conversion) or a demo model name
-(`tiny`, `tiny_xl`: random weights, no download). The pipeline type comes from the model;
+into the cache; --lora, --vae and --config are applied in that conversion), one of the shipped default
+models (`default`, `default-edit`: trained by sdx on its shapes world; without --model, `default`, or
+`default-edit` when --image is given) or a demo model name (`tiny`, `tiny_xl`: random weights, for
+tests). The pipeline type comes from the model;
 --image makes it img2img (or InstructPix2Pix for such a model). Bad input ends with one `error:` line
 and exit status 2.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -41,8 +44,10 @@ def parser() -> argparse.ArgumentParser:
     from sdx.schedulers import SCHEDULERS
 
     p = ArgumentParser(prog="python -m sdx.sample", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny",
-                   help="sdx folder, diffusers folder, single-file checkpoint, hub id, or demo model (tiny, tiny_xl)")
+    p.add_argument("--model",
+                   help="sdx folder, diffusers folder, single-file checkpoint, hub id, default model (default, "
+                        "default-edit) or random-weight demo model (tiny, tiny_xl); without it: default, or "
+                        "default-edit with --image")
     p.add_argument("--config", metavar="FOLDER",
                    help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
                         "describe it, instead of the built-in preset its keys point to")
@@ -72,6 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's scheduler_config.json")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
+    p.add_argument("--grid", metavar="FILE.png",
+                   help="also write all images as one grid PNG (columns: --num-images, or about the square root)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     p.add_argument("--refiner", help="SDXL refiner model, run after the base (ensemble of experts)")
     p.add_argument("--high-noise-frac", type=float, default=0.8, help="where the base hands over to the refiner")
@@ -93,19 +100,26 @@ def parser() -> argparse.ArgumentParser:
 
 
 def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None) -> Path:
-    """An sdx folder for `spec` (demo name, sdx folder, diffusers folder, single file or hub id), with
-    `options` (a `convert.sources.ModelOptions`: LoRAs, VAE, config folder) applied in a cached conversion."""
+    """An sdx folder for `spec` (default or demo model name, sdx folder, diffusers folder, single file or hub
+    id), with `options` (a `convert.sources.ModelOptions`: LoRAs, VAE, config folder) applied in a cached
+    conversion."""
     from convert.library import ensure_sdx_folder
     from convert.sources import ModelOptions
+    from pipelines import default_models
     from pipelines.demo import DEMO_MODELS, demo_folder
 
     options = options or ModelOptions()
-    if spec in DEMO_MODELS and not Path(spec).exists():
+    named = None
+    if spec in default_models.NAMES and not Path(spec).exists():
+        log(f"{spec}: the shipped default model (trained by sdx on its shapes world)")
+        named = default_models.folder(spec, cache / "models")
+    elif spec in DEMO_MODELS and not Path(spec).exists():
         log(f"{spec}: the embedded demo model (random weights, no download)")
-        folder = demo_folder(spec, cache / "models")
+        named = demo_folder(spec, cache / "models")
+    if named is not None:
         if options.empty:
-            return folder
-        spec = str(folder)
+            return named
+        spec = str(named)
     return ensure_sdx_folder(spec, dtype=dtype, cache_dir=cache / "models", options=options, log=log)
 
 
@@ -186,6 +200,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     meshlib.initialize()
     mesh = meshlib.make_mesh(args.fsdp)
     options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
+    args.model = args.model or ("default-edit" if args.image else "default")
     folder = resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options)
     pipe = Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.model)
     refiner = None
@@ -216,6 +231,7 @@ def run(args: argparse.Namespace) -> list[Path]:
         clip_skip=args.clip_skip, long_prompt=args.long_prompt,
     )
     paths = output_paths(args.output, request.num_images, args.seed, args.overwrite)
+    grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
 
     compile_seconds = []
     for p in filter(None, (pipe, refiner)):
@@ -257,7 +273,20 @@ def run(args: argparse.Namespace) -> list[Path]:
             params["strength"] = request.strength
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
+    if grid_path is not None:
+        columns = args.num_images if args.num_images > 1 else math.ceil(math.sqrt(len(pixels)))
+        save_png(grid_path, grid(pixels, columns), {**params, "prompt": " | ".join(request.prompts), "grid": columns})
+        log(f"wrote {grid_path}")
+        paths.append(grid_path)
     return paths
+
+
+def grid(images: np.ndarray, columns: int) -> np.ndarray:
+    """(N, H, W, C) -> one (rows * H, columns * W, C) picture, row-major, the last row padded with black."""
+    n, h, w, c = images.shape
+    rows = math.ceil(n / columns)
+    padded = np.concatenate([images, np.zeros((rows * columns - n, h, w, c), images.dtype)])
+    return padded.reshape(rows, columns, h, w, c).swapaxes(1, 2).reshape(rows * h, columns * w, c)
 
 
 def main(argv: list[str] | None = None) -> int:

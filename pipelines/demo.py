@@ -3,12 +3,16 @@
 `--model tiny` (SD 1.x-like) or `--model tiny_xl` (SDXL-like) builds the preset's architecture with
 seeded random weights and the built-in CLIP vocabulary, and writes it once as an sdx folder in the
 cache. It shows the whole path (tokenizer, text encoders, sampler loop, VAE, PNG) end to end on any
-machine; its pictures are noise-like, since nothing was trained.
+machine; its pictures are noise-like, since nothing was trained. (The trained default models are
+`pipelines.default_models`.)
+
+`random_parts` and `write_pipeline` are also how `python -m train.init` starts a model from scratch.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from flax import nnx
@@ -20,25 +24,36 @@ from sdx.tokenizer import write_builtin_folder
 DEMO_MODELS = ("tiny", "tiny_xl")
 
 
-def demo_folder(name: str, cache: Path, seed: int = 0) -> Path:
-    """The sdx folder of demo model `name`, built on first use under `cache`."""
-    out = cache / f"demo-{name}-seed{seed}"
-    if model_folder.is_model_folder(out):
-        return out
-    preset = presets.get(name)
+def random_parts(preset: presets.Preset, seed: int, components=None) -> dict[str, model_folder.ModelPart]:
+    """The preset's model components (all, or `components`) with random weights drawn from `seed`."""
     parts = {}
     rngs = nnx.Rngs(seed)
-    for comp in ("unet", "vae", *preset.text_encoders):
+    for comp in components or ("unet", "vae", *preset.text_encoders):
         kind = model_folder.MODEL_KINDS[comp]
         config = kind.config_from_diffusers(preset.configs[comp])
         model = kind.build(config, F32, rngs)
         cls = preset.configs[comp].get("_class_name") or preset.configs[comp]["architectures"][0]
         parts[comp] = model_folder.ModelPart(cls, config, model_folder.module_arrays(model), preset.configs[comp])
+    return parts
+
+
+def write_pipeline(out: Path, preset: presets.Preset, parts: Mapping[str, model_folder.ModelPart], *,
+                   overwrite: bool = False, log=None) -> Path:
+    """An sdx folder of the preset's pipeline from `parts`, with the built-in tokenizers and its scheduler."""
     with tempfile.TemporaryDirectory() as tmp:
         tokenizers = {
             t: write_builtin_folder(Path(tmp) / t, pad_token=facts["pad_token"]) for t, facts in preset.tokenizers.items()
         }
         return model_folder.write_model_folder(
             out, pipeline_class=preset.pipeline_class, models=parts, tokenizers=tokenizers,
-            scheduler=preset.configs["scheduler"], extra=preset.extra, overwrite=True,
+            scheduler=preset.configs["scheduler"], extra=preset.extra, overwrite=overwrite, log=log,
         )
+
+
+def demo_folder(name: str, cache: Path, seed: int = 0) -> Path:
+    """The sdx folder of demo model `name`, built on first use under `cache`."""
+    out = cache / f"demo-{name}-seed{seed}"
+    if model_folder.is_model_folder(out):
+        return out
+    preset = presets.get(name)
+    return write_pipeline(out, preset, random_parts(preset, seed), overwrite=True)

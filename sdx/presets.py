@@ -332,6 +332,26 @@ _add(
     tokenizers={"tokenizer": _OPENAI_TOKENIZER, "tokenizer_2": _OPEN_CLIP_TOKENIZER},
 )
 
+# The architecture of the shipped default models (`--model default`, `default-edit`), trained by sdx on
+# its shapes world at 64x64 (train/recipe.sh): SDXL's structure (two text encoders, clip skip, pooled
+# embedding, time ids) at a small width, a 3-level VAE (64x64 -> 16x16x4), trailing timesteps so that
+# sampling starts from pure noise. The VAE's scaling_factor is measured when it is trained.
+_add(
+    "shapes", None, "StableDiffusionXLPipeline",
+    {"unet": {**_SDXL_UNET, "attention_head_dim": [2, 4], "block_out_channels": [64, 96],
+              "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 32 + 6 * 8,
+              "cross_attention_dim": 16 + 32, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+              "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "transformer_layers_per_block": [1, 1],
+              "sample_size": 16},
+     "vae": _vae(block_out_channels=[32, 64, 64], layers_per_block=1, sample_size=64, force_upcast=False),
+     "text_encoder": {**_tiny_text(hidden_act="quick_gelu"), "hidden_size": 16, "intermediate_size": 32,
+                      "num_attention_heads": 2, "projection_dim": 16},
+     "text_encoder_2": {**_tiny_text("CLIPTextModelWithProjection", hidden_act="gelu")},
+     "scheduler": {**_SDXL_SCHEDULER, "timestep_spacing": "trailing"}},
+    extra={"force_zeros_for_empty_prompt": True},
+    tokenizers={"tokenizer": _OPENAI_TOKENIZER, "tokenizer_2": _OPEN_CLIP_TOKENIZER},
+)
+
 NAMES: tuple[str, ...] = tuple(_PRESETS)
 
 

@@ -115,6 +115,7 @@ class VAETask:
 def write_vae_folder(out: Path, config: VAEConfig, arrays: dict[str, np.ndarray]) -> None:
     """A diffusers-layout VAE folder: config.json and diffusion_pytorch_model.safetensors (torch keys)."""
     torch_arrays = weights.to_torch_keys(arrays)
+    out.mkdir(parents=True, exist_ok=True)
     io.write_safetensors(out / "diffusion_pytorch_model.safetensors", sorted(torch_arrays.items()))
     io.atomic_write_json(out / "config.json", {"_class_name": "AutoencoderKL", **config.to_diffusers_config()})
 

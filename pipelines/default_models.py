@@ -1,0 +1,131 @@
+"""The default models: sdx's own SDXL-architecture models, trained by `train/recipe.sh` on the shapes world
+(`train.shapes`) and shipped in the package.
+
+- `default`: text-to-image ("a red circle on a blue background"); what `python -m sdx.sample` uses
+  when no --model is given.
+- `default-edit`: InstructPix2Pix ("make the circle green"), fine-tuned from `default`; used when no
+  --model is given and --image is.
+
+They are shipped compactly under sdx/assets/models/ in float16: NAME/sdx.json with only the weight files
+that NAME does not share. A weight file missing from NAME/ is the file of that name in default/ (the edit
+model shares the text encoders and the VAE), and the tokenizer folders are sdx's built-in CLIP
+vocabulary (`sdx.tokenizer.write_builtin_folder`), whose pad tokens NAME/pack.json records. `folder`
+assembles a complete sdx folder in the cache on first use; `pack` writes the compact form from two
+trained sdx folders (the last step of the recipe):
+
+    python -m pipelines.default_models pack T2I_FOLDER EDIT_FOLDER [--out sdx/assets/models]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import sys
+from pathlib import Path
+
+import sdx
+from sdx import io, model_folder
+from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
+from sdx.tokenizer import write_builtin_folder
+
+SHIPPED = Path(sdx.__file__).resolve().parent / "assets" / "models"
+NAMES = ("default", "default-edit")
+BASE = "default"  # where the shared files live
+PACK_FILE = "pack.json"
+DTYPE = "float16"
+
+
+def _fingerprint(packed: Path) -> str:
+    """A short hash of the packed model's spec and file sizes: a new pack gets a new cache folder."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in packed.iterdir() if p.is_file()):
+        h.update(path.name.encode() + path.read_bytes() if path.suffix == ".json" else f"{path.name}:{path.stat().st_size}".encode())
+    return h.hexdigest()[:12]
+
+
+def folder(name: str, cache: Path, *, shipped: Path = SHIPPED) -> Path:
+    """The complete sdx folder of default model `name`, assembled under `cache` on first use."""
+    packed = shipped / name
+    if not (packed / model_folder.SPEC_FILE).is_file():
+        raise SdxError(f"the default model {name!r} is not in this installation ({packed} is missing); "
+                       "train it with `make default-models`")
+    out = cache / f"{name}-{_fingerprint(packed)}"
+    if model_folder.is_model_folder(out):
+        return out
+    spec = model_folder.read_spec(packed)
+    pads = io.read_json(packed / PACK_FILE, obj=True)["tokenizers"]
+    with model_folder.building_folder(out, overwrite=True) as tmp:
+        for entry in spec["components"].values():
+            if "file" in entry:
+                src = packed / entry["file"]
+                shutil.copyfile(src if src.is_file() else shipped / BASE / entry["file"], tmp / entry["file"])
+            elif "folder" in entry:
+                write_builtin_folder(tmp / entry["folder"], pad_token=pads[entry["folder"]])
+        shutil.copyfile(packed / model_folder.SPEC_FILE, tmp / model_folder.SPEC_FILE)
+    return out
+
+
+def _pad_tokens(src: Path, spec: dict) -> dict[str, str]:
+    """{tokenizer folder: pad token}, after checking each folder is the built-in vocabulary."""
+    pads = {}
+    for entry in spec["components"].values():
+        if "folder" not in entry:
+            continue
+        tok = src / entry["folder"]
+        probe = write_builtin_folder(Path(str(tok) + ".probe"), pad_token="!")
+        try:
+            same = all((tok / f).read_bytes() == (probe / f).read_bytes() for f in ("vocab.json", "merges.txt"))
+        finally:
+            shutil.rmtree(probe)
+        if not same:
+            raise SdxError(f"{tok}: not sdx's built-in CLIP vocabulary; only that can be packed")
+        pads[entry["folder"]] = io.read_json(tok / "special_tokens_map.json", obj=True)["pad_token"]
+    return pads
+
+
+def pack(t2i: Path, edit: Path, out: Path = SHIPPED) -> Path:
+    """Write the compact form of the two trained sdx folders under `out` (float16; shared files once)."""
+    staging = out.parent / f".{out.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    for name, src in zip(NAMES, (t2i, edit)):
+        model_folder.resave(src, staging / f"{name}.full", dtype=DTYPE)
+    base = staging / f"{BASE}.full"
+    with model_folder.building_folder(out, overwrite=True) as tmp:
+        for name in NAMES:
+            full = staging / f"{name}.full"
+            spec = model_folder.read_spec(full)
+            (tmp / name).mkdir()
+            for entry in spec["components"].values():
+                shared = name != BASE and (base / entry.get("file", "-")).is_file() and \
+                    (base / entry["file"]).read_bytes() == (full / entry["file"]).read_bytes()
+                if "file" in entry and not shared:
+                    shutil.copyfile(full / entry["file"], tmp / name / entry["file"])
+            shutil.copyfile(full / model_folder.SPEC_FILE, tmp / name / model_folder.SPEC_FILE)
+            io.atomic_write_json(tmp / name / PACK_FILE, {"tokenizers": _pad_tokens(full, spec), "shared_from": BASE})
+    shutil.rmtree(staging)
+    return out
+
+
+def main(argv=None) -> int:
+    p = ArgumentParser(prog="python -m pipelines.default_models", description="pack the trained default models")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
+    s = sub.add_parser("pack", help="write sdx/assets/models from the trained text-to-image and edit folders")
+    s.add_argument("t2i", help="the text-to-image sdx folder")
+    s.add_argument("edit", help="the InstructPix2Pix sdx folder")
+    s.add_argument("--out", default=str(SHIPPED), help=f"where to write (default {SHIPPED})")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        out = pack(Path(args.t2i), Path(args.edit), Path(args.out))
+    except SdxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"wrote {out} ({size / 1e6:.1f} MB)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Training from scratch and shipping: `python -m train.init`, the packed default models
+(pipelines/default_models.py), the model chosen without --model, and `--grid`."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import shutil
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from diffusers import AutoencoderKL as TorchVAE
+from PIL import Image
+
+from pipelines import default_models
+from pipelines.cli import grid
+from pipelines.demo import random_parts, write_pipeline
+from sdx import model_folder, presets
+from sdx.sample import main as sample_main
+from train import init, shapes
+from train.vae import write_vae_folder
+
+
+@pytest.fixture(scope="module")
+def trained_pair(tmp_path_factory):
+    """Two tiny_xl folders as the recipe leaves them: the edit model shares the text encoders and VAE."""
+    root = tmp_path_factory.mktemp("pair")
+    preset = presets.get("tiny_xl")
+    parts = random_parts(preset, 0)
+    t2i = write_pipeline(root / "t2i", preset, parts)
+    edit_preset = presets.get("tiny_xl")
+    edit_preset.configs["unet"]["in_channels"] = 8
+    edit_parts = {**parts, "unet": random_parts(edit_preset, 1, ("unet",))["unet"]}
+    edit_preset = dataclasses.replace(edit_preset, pipeline_class="StableDiffusionXLInstructPix2PixPipeline")
+    return t2i, write_pipeline(root / "edit", edit_preset, edit_parts)
+
+
+def test_pack_stores_shared_files_once_and_folder_rebuilds_both_models(trained_pair, tmp_path):
+    t2i, edit = trained_pair
+    shipped = default_models.pack(t2i, edit, tmp_path / "models")
+    edit_files = sorted(p.name for p in (shipped / "default-edit").iterdir())
+    assert edit_files == ["pack.json", "sdx.json", "unet.safetensors"]  # text encoders, VAE, tokenizers shared
+    assert not any((shipped / name / "tokenizer").exists() for name in default_models.NAMES)
+    cache = tmp_path / "cache"
+    for name, src in zip(default_models.NAMES, trained_pair):
+        out = default_models.folder(name, cache, shipped=shipped)
+        spec = model_folder.read_spec(out)
+        assert spec["dtype"] == "float16"
+        assert spec["pipeline_class"] == model_folder.read_spec(src)["pipeline_class"]
+        for comp in ("unet", "vae", "text_encoder", "text_encoder_2"):
+            got, want = model_folder.read_arrays(out, comp), model_folder.read_arrays(src, comp)
+            assert set(got) == set(want)
+            for k in want:  # the float16 cast of what was trained, nothing else
+                np.testing.assert_array_equal(got[k], want[k].astype(np.float16))
+        for tok in ("tokenizer", "tokenizer_2"):
+            for f in ("vocab.json", "merges.txt", "special_tokens_map.json"):
+                assert (out / tok / f).read_bytes() == (src / tok / f).read_bytes()
+        assert default_models.folder(name, cache, shipped=shipped) == out  # built once
+    edited = json.loads((shipped / "default-edit" / "sdx.json").read_text())
+    edited["extra"]["note"] = "changed"
+    (shipped / "default-edit" / "sdx.json").write_text(json.dumps(edited))
+    assert default_models.folder("default-edit", cache, shipped=shipped) != out  # a new pack: a new cache folder
+
+
+def test_pack_refuses_a_foreign_tokenizer(trained_pair, tmp_path):
+    t2i, edit = trained_pair
+    other = tmp_path / "t2i"
+    shutil.copytree(t2i, other)
+    (other / "tokenizer" / "vocab.json").write_text("{}")
+    with pytest.raises(default_models.SdxError, match="built-in CLIP vocabulary"):
+        default_models.pack(other, edit, tmp_path / "models")
+    assert not (tmp_path / "models").exists()
+
+
+def test_a_missing_default_model_is_one_clear_error(tmp_path):
+    with pytest.raises(default_models.SdxError, match="make default-models"):
+        default_models.folder("default", tmp_path, shipped=tmp_path / "nothing")
+
+
+def test_grid_is_row_major_and_padded():
+    images = np.arange(5)[:, None, None, None] * np.ones((5, 2, 3, 1), np.uint8)
+    g = grid(images, 3)
+    assert g.shape == (4, 9, 1)
+    assert [g[0, 3 * j, 0] for j in range(3)] == [0, 1, 2]
+    assert [g[2, 3 * j, 0] for j in range(3)] == [3, 4, 0]
+
+
+def test_no_model_means_default_and_grid_is_written(tmp_path, monkeypatch):
+    """Without --model the default model is used (here a stand-in packed from tiny_xl); --grid tiles the images."""
+    picked = []
+
+    def fake_folder(name, cache, shipped=default_models.SHIPPED):
+        picked.append(name)
+        from pipelines.demo import demo_folder
+
+        return demo_folder("tiny_xl", cache)
+
+    monkeypatch.setattr(default_models, "folder", fake_folder)
+    out = tmp_path / "imgs"
+    code = sample_main(["--prompt", "a", "b", "c", "--steps", "2", "--height", "64", "--width", "64", "--output", str(out),
+                        "--grid", str(tmp_path / "grid.png"), "--cache", str(tmp_path / "cache"), "--quiet"])
+    assert code == 0 and picked == ["default"]
+    singles = [np.asarray(Image.open(out / f"0-{i:04d}.png")) for i in range(3)]
+    tiled = np.asarray(Image.open(tmp_path / "grid.png"))
+    np.testing.assert_array_equal(tiled, grid(np.stack(singles), 2))
+    Image.fromarray(singles[0]).save(tmp_path / "in.png")
+    code = sample_main(["--prompt", "x", "--steps", "4", "--image", str(tmp_path / "in.png"), "--output",
+                        str(tmp_path / "e.png"), "--cache", str(tmp_path / "cache"), "--quiet"])
+    assert picked[-1] == "default-edit"  # tiny_xl is no InstructPix2Pix model: it runs as img2img here
+    assert code == 0
+
+
+def test_init_takes_the_vae_and_measures_its_scaling_factor(tmp_path):
+    """train.init: random UNet/text encoders from the seed, the given VAE unchanged, and scaling_factor =
+    1 / std of the posterior samples, checked against diffusers' AutoencoderKL on the same images."""
+    data = shapes.write_dataset(tmp_path / "captions", "captions", count=16, seed=0, size=32)
+    preset = presets.get("tiny_xl")
+    vae = random_parts(preset, 5, ("vae",))["vae"]
+    write_vae_folder(tmp_path / "vae", vae.config, vae.arrays)
+    out = tmp_path / "init"
+    code = init.main(["--preset", "tiny_xl", "--vae", str(tmp_path / "vae"), "--scaling_data", str(data),
+                      "--scaling_samples", "16", "--resolution", "32", "--output_dir", str(out), "--seed", "3"])
+    assert code == 0
+    got = model_folder.read_arrays(out, "vae")
+    for k, v in vae.arrays.items():
+        np.testing.assert_array_equal(got[k], v)
+    unet = model_folder.read_arrays(out, "unet")
+    again = random_parts(preset, 3, ("unet", "text_encoder", "text_encoder_2"))["unet"].arrays
+    np.testing.assert_array_equal(unet["conv_in.kernel"], again["conv_in.kernel"])
+    factor = model_folder.model_config(out, "vae").scaling_factor
+
+    ref = TorchVAE.from_pretrained(tmp_path / "vae").eval()
+    table = pq.read_table(sorted((data / "data").glob("*.parquet"))[0])
+    pixels = [np.asarray(Image.open(io.BytesIO(c["bytes"])).convert("RGB"), np.float32) / 127.5 - 1
+              for c in table.column("image").to_pylist()[:16]]
+    x = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2)
+    with torch.no_grad():
+        z = ref.encode(x).latent_dist.sample(generator=torch.Generator().manual_seed(0))
+    # the draws differ, the statistic does not: 16 x 16 x 16 x 4 samples put its error near 1%
+    assert factor == pytest.approx(1.0 / float(z.std()), rel=0.03)
+    assert factor != pytest.approx(preset.configs["vae"]["scaling_factor"], rel=0.03)
+
+
+def test_init_refuses_scaling_data_without_a_vae(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        from train.loop import main
+
+        main(init.main, ["--preset", "tiny_xl", "--scaling_data", str(tmp_path), "--output_dir", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert "give --vae too" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_shapes_preset_fits_the_size_budget():
+    """The shipped pair in float16 (text encoders and VAE once, two UNets) stays under 25 MB."""
+    preset = presets.get("shapes")
+    sizes = {c: sum(int(np.prod(s)) for s in model_folder.MODEL_KINDS[c].param_shapes(
+        model_folder.MODEL_KINDS[c].config_from_diffusers(preset.configs[c])).values()) * 2
+        for c in ("unet", "vae", "text_encoder", "text_encoder_2")}
+    assert sum(sizes.values()) + sizes["unet"] < 25e6, sizes

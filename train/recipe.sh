@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The default models (`--model default`, `--model default-edit`) from scratch, with sdx's own commands
+# only: the shapes datasets, the VAE, the untrained SDXL-architecture pipeline, text-to-image training,
+# InstructPix2Pix fine-tuning, packing into sdx/assets/models, and the evaluation.
+#
+#     make default-models            # or: bash train/recipe.sh [WORK_DIR]
+#
+# Every training command checkpoints as it goes; run the recipe again after an interruption and each
+# finished stage is skipped, an unfinished one resumes from its last checkpoint. The step counts are
+# environment variables (VAE_STEPS, T2I_STEPS, EDIT_STEPS) for shorter trial runs.
+set -euo pipefail
+
+WORK=${1:-work/default-models}
+PY=${PYTHON:-python}
+VAE_STEPS=${VAE_STEPS:-1500}
+T2I_STEPS=${T2I_STEPS:-3000}
+EDIT_STEPS=${EDIT_STEPS:-2000}
+mkdir -p "$WORK"
+start=$(date +%s)
+stage() { echo "== $1 ($(( $(date +%s) - start )) s so far)" >&2; }
+resume() { [ -d "$1/checkpoints" ] && echo --resume_from_checkpoint latest || true; }
+
+stage "datasets"
+[ -d "$WORK/captions" ] || $PY -m train.shapes captions "$WORK/captions" --count 20000 --seed 1
+[ -d "$WORK/edits" ] || $PY -m train.shapes edits "$WORK/edits" --count 20000 --seed 2
+
+stage "VAE"
+[ -f "$WORK/vae/config.json" ] || $PY -m train.vae --vae_config shapes --dataset_name "$WORK/captions" \
+    --resolution 64 --train_batch_size 8 --max_train_steps "$VAE_STEPS" --learning_rate 2e-3 \
+    --lr_scheduler cosine --lr_warmup_steps 20 --validation_steps 250 --checkpointing_steps 250 \
+    --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/vae" $(resume "$WORK/vae")
+
+stage "untrained pipeline"
+[ -f "$WORK/init/sdx.json" ] || $PY -m train.init --preset shapes --vae "$WORK/vae" \
+    --scaling_data "$WORK/captions" --seed 0 --output_dir "$WORK/init"
+
+stage "text-to-image"
+[ -f "$WORK/t2i/sdx.json" ] || $PY -m train.text_to_image --pretrained_model_name_or_path "$WORK/init" \
+    --dataset_name "$WORK/captions" --resolution 64 --center_crop --train_batch_size 32 \
+    --max_train_steps "$T2I_STEPS" --learning_rate 5e-4 --lr_scheduler cosine --lr_warmup_steps 100 \
+    --snr_gamma 5 --noise_offset 0.05 --proportion_empty_prompts 0.1 \
+    --use_ema --ema_use_warmup --ema_power 0.75 \
+    --validation_prompt "a red circle on a blue background" --validation_steps 500 \
+    --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/t2i" $(resume "$WORK/t2i")
+
+stage "InstructPix2Pix"
+[ -f "$WORK/edit/sdx.json" ] || $PY -m train.pix2pix --pretrained_model_name_or_path "$WORK/t2i" \
+    --dataset_name "$WORK/edits" --resolution 64 --train_batch_size 32 \
+    --max_train_steps "$EDIT_STEPS" --learning_rate 3e-4 --lr_scheduler cosine --lr_warmup_steps 100 \
+    --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
+    --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/edit" $(resume "$WORK/edit")
+
+stage "pack"
+$PY -m pipelines.default_models pack "$WORK/t2i" "$WORK/edit"
+
+stage "evaluate"
+$PY -m train.shapes_eval --model default --edit-model default-edit --seeds 2 --json "$WORK/eval.json"
+stage "done"
