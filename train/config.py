@@ -11,8 +11,15 @@ naming it, never silently ignored. Differences, on purpose:
 - `--lr_warmup_steps` and `--max_train_steps` count optimizer steps; diffusers multiplies the scheduler's
   warm-up and length by the number of processes, sdx does not.
 - `--seed` defaults to 0 (diffusers: unseeded), so a run is reproducible unless asked otherwise.
-- `--mixed_precision bf16`: bfloat16 compute with float32 master weights; `fp16` is refused (no loss
-  scaling here, and the SDXL VAE overflows in float16).
+- `--mixed_precision bf16`: bfloat16 compute with float32 master weights. `fp16` (what diffusers'
+  documented commands use) runs as bf16, with a one-line note: what the flag asks for is 16-bit compute
+  with float32 master weights, and bfloat16 gives that without the loss scaling float16's narrow range
+  needs (accelerate's GradScaler, not done here); the frozen VAE stays float32 either way. The numbers
+  are bfloat16's, not float16's.
+- `--enable_xformers_memory_efficient_attention` (and `--enable_npu_flash_attention`, `--offload_ema`,
+  `--foreach_ema`) are accepted and ignored, with a one-line note each: they pick a kernel or where a
+  buffer lives, not the math (sdx's choice of attention kernel is `--attention`). Every other diffusers
+  flag sdx does not implement stays an error (`UNSUPPORTED`), since ignoring it would change the run.
 """
 
 from __future__ import annotations
@@ -34,14 +41,10 @@ EXPORT_FORMATS = ("sdx", "diffusers")
 UNSUPPORTED = {
     "use_8bit_adam": "8-bit Adam is a bitsandbytes (CUDA PyTorch) optimizer; drop the flag",
     "allow_tf32": "XLA picks matmul precision itself; drop the flag",
-    "enable_xformers_memory_efficient_attention": "use --attention cudnn or chunked",
-    "enable_npu_flash_attention": "use --attention cudnn or chunked",
     "push_to_hub": "upload --output_dir yourself with huggingface_hub",
     "hub_token": "upload --output_dir yourself with huggingface_hub",
     "hub_model_id": "upload --output_dir yourself with huggingface_hub",
     "non_ema_revision": "the non-EMA weights come from --pretrained_model_name_or_path and --revision",
-    "offload_ema": "the EMA lives sharded with the parameters on the devices",
-    "foreach_ema": "the EMA update is one fused, jitted step already",
     "dream_training": "DREAM is not implemented",
     "dream_detail_preservation": "DREAM is not implemented",
     "timestep_bias_strategy": "timestep bias is not implemented (timesteps are drawn uniformly)",
@@ -56,6 +59,16 @@ UNSUPPORTED = {
     "vae_precision": "the VAE runs in float32",
     "crops_coords_top_left_h": "SDXL crop conditioning is the crop actually applied to each image",
     "crops_coords_top_left_w": "SDXL crop conditioning is the crop actually applied to each image",
+}
+
+# diffusers flags (store_true) that change nothing sdx computes: accepted, ignored with a note.
+IGNORED = {
+    "enable_xformers_memory_efficient_attention": "it chooses an attention kernel, not the math; sdx's kernel is "
+                                                  "--attention (xla by default, cudnn, chunked)",
+    "enable_npu_flash_attention": "it chooses an attention kernel, not the math; sdx's kernel is --attention",
+    "offload_ema": "it moves the EMA to the CPU between steps, not the math; sdx keeps the EMA sharded with the "
+                   "parameters",
+    "foreach_ema": "it chooses torch's batched EMA update, not the math; sdx's EMA update is part of the step",
 }
 
 
@@ -214,7 +227,8 @@ def parser(task: str) -> argparse.ArgumentParser:
     opt("adam_weight_decay", "AdamW decoupled weight decay", type=float)
     opt("adam_epsilon", "AdamW epsilon", type=float)
     opt("max_grad_norm", "clip the global gradient norm to this (0: no clipping)", type=float)
-    opt("mixed_precision", "bf16: bfloat16 compute, float32 master weights", choices=("no", "bf16", "fp16"))
+    opt("mixed_precision", "bf16: bfloat16 compute, float32 master weights (fp16 runs as bf16)",
+        choices=("no", "bf16", "fp16"))
     opt("attention", "attention backend", choices=BACKENDS)
     opt("fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)", type=int)
 
@@ -271,19 +285,32 @@ def parse(task: str, argv: list[str] | None = None) -> TrainConfig:
         raise ValueError(task)
     argv = sys.argv[1:] if argv is None else list(argv)
     p = parser(task)
+    kept = []
     for arg in argv:
         name = arg.lstrip("-").split("=", 1)[0].replace("-", "_")
         if arg.startswith("--") and name in UNSUPPORTED:
             p.error(f"--{name} (a diffusers flag) is not supported by sdx: {UNSUPPORTED[name]}")
-    values = dict(vars(p.parse_args(argv)))
+        if arg.startswith("--") and "=" not in arg and name in IGNORED:
+            _note(f"--{name} is ignored: {IGNORED[name]}")
+            continue
+        kept.append(arg)
+    values = dict(vars(p.parse_args(kept)))
     if "validation_prompt" in values:
         values["validation_prompt"] = tuple(values["validation_prompt"])
+    if values["mixed_precision"] == "fp16":
+        _note("--mixed_precision fp16 runs as bf16: bfloat16 compute with float32 master weights (float16 would "
+              "need loss scaling, which sdx does not do)")
+        values["mixed_precision"] = "bf16"
     cfg = TrainConfig(task=task, **values)
     try:
         check(cfg)
     except SdxError as e:
         p.error(str(e))
     return cfg
+
+
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
 
 
 def check(c: TrainConfig) -> None:
@@ -332,8 +359,7 @@ def check(c: TrainConfig) -> None:
                        f"with it), got {c.conditioning_dropout_prob}")
     if not 0 <= c.proportion_empty_prompts <= 1:
         raise SdxError(f"--proportion_empty_prompts must be in [0, 1], got {c.proportion_empty_prompts}")
-    if c.mixed_precision == "fp16":
-        raise SdxError("--mixed_precision fp16 is not supported (no loss scaling; the SDXL VAE overflows in "
-                       "float16); use bf16")
+    if c.mixed_precision not in ("no", "bf16"):
+        raise SdxError(f"--mixed_precision {c.mixed_precision}: use no or bf16")
     if c.task == "pix2pix" and c.validation_prompt and not c.val_image_url_or_path:
         raise SdxError("--validation_prompt needs --val_image_url_or_path (the image to edit) for pix2pix")

@@ -202,8 +202,22 @@ def module_for_export(graphdef, state: steplib.TrainState) -> nnx.Module:
     return nnx.merge(graphdef, state.ema if state.ema is not None else state.params)
 
 
+def compilation_cache() -> None:
+    """JAX's persistent compilation cache in the sdx cache folder (`$SDX_CACHE/jax`, as the sampler's), unless
+    JAX_COMPILATION_CACHE_DIR already names one: a resumed run (a preempted machine coming back) loads the
+    compiled step instead of compiling it again."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    from convert.library import default_cache_dir
+    from pipelines.sampler import enable_compilation_cache
+
+    enable_compilation_cache(default_cache_dir() / "jax")
+
+
 def main(run_task, argv=None) -> Any:
-    """Entry point: one `error:` line and exit status 2 for any bad input."""
+    """Entry point of `python -m train.X`: the persistent compilation cache on; one `error:` line and exit
+    status 2 for any bad input."""
+    compilation_cache()
     try:
         code = run_task(argv)
     except SdxError as e:
