@@ -20,16 +20,15 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.demo import demo_folder
 from train import checkpoint, shapes
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def world(tmp_path_factory, demo_models):
     root = tmp_path_factory.mktemp("cli")
-    model = demo_folder("tiny", root / "models")  # SD 1.x-like: pix2pix widens its conv_in
+    model = demo_models("tiny")  # SD 1.x-like: pix2pix widens its conv_in
     shapes.write_dataset(root / "edits", "edits", count=8, seed=0, size=32)
     shapes.write_dataset(root / "captions", "captions", count=8, seed=0, size=32)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(root / "jax"),

@@ -10,16 +10,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from train import pix2pix, shapes
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, demo_models):
     root = tmp_path_factory.mktemp("e2e")
-    model = demo_folder("tiny_xl", root / "cache")
+    model = demo_models("tiny_xl")
     shapes.write_dataset(root / "ds", "edits", count=12, seed=0, size=32)
     return root, model
 

@@ -1,0 +1,97 @@
+"""`python -m train.vae` end to end on a tiny VAE and a generated dataset.
+
+From random weights (--vae_config): the loss falls when the VAE overfits a repeated batch, and the VAE
+folder it writes (diffusers' layout) loads in diffusers' AutoencoderKL and reconstructs what sdx's VAE
+read from the same folder (the `--vae` path of the sampler and the converter) reconstructs. From a
+pipeline: the sdx folder written has the new VAE and every other component byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from convert.sources import read_vae_source
+from sdx import weights
+from sdx.vae import AutoencoderKL, VAEConfig
+from train import shapes
+
+torch = pytest.importorskip("torch")
+diffusers = pytest.importorskip("diffusers")
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vae")
+    shapes.write_dataset(root / "two", "captions", count=2, seed=0, size=32)  # one repeated batch
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(root / "jax"),
+           "SDX_CACHE": str(root / "sdx-cache")}
+    env.pop("XLA_FLAGS", None)
+    return root, env
+
+
+def _train_vae(env, *argv) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "train.vae", "--resolution", "32", "--train_batch_size", "2",
+                           "--report_to", "none", "--checkpointing_steps", "1000", *argv],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_vae_from_random_weights_overfits_and_loads_in_diffusers(world):
+    root, env = world
+    out = root / "from-config"
+    _train_vae(env, "--vae_config", "tiny", "--dataset_name", str(root / "two"), "--output_dir", str(out),
+               "--max_train_steps", "40", "--learning_rate", "2e-3")
+    losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 40
+    first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+    print("loss", first, "->", last)
+    assert last < 0.5 * first
+
+    # diffusers' layout: config.json + diffusion_pytorch_model.safetensors, nothing sdx-specific
+    assert sorted(p.name for p in out.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")) == [
+        "config.json", "diffusion_pytorch_model.safetensors", ]
+    theirs = diffusers.AutoencoderKL.from_pretrained(out).eval()
+    config, tensors = read_vae_source(out, {})
+    ours = weights.load_torch_state(
+        weights.abstract(lambda r: AutoencoderKL(VAEConfig.from_diffusers_config(config), rngs=r)), tensors, where="test")
+
+    x = np.random.default_rng(0).uniform(-1, 1, (2, 3, 32, 24)).astype(np.float32)  # NCHW, not square
+    with torch.no_grad():
+        want = theirs(torch.from_numpy(x)).sample.numpy().transpose(0, 2, 3, 1)  # decode(posterior mode)
+    got = np.asarray(ours(jnp.asarray(x.transpose(0, 2, 3, 1))))
+    err = float(np.abs(got - want).max())
+    print("reconstruction max abs difference", err)
+    assert err < 1e-5 * max(1.0, float(np.abs(want).max()))
+    assert float(np.abs(want).std()) > 0.05  # a real picture came out, not a constant
+
+
+def test_vae_from_a_pipeline_changes_only_the_vae(world, demo_models):
+    root, env = world
+    model = demo_models("tiny")
+    out = root / "from-pipeline"
+    _train_vae(env, "--pretrained_model_name_or_path", str(model), "--dataset_name", str(root / "two"),
+               "--output_dir", str(out), "--max_train_steps", "2", "--learning_rate", "1e-3")
+    spec, source = json.loads((out / "sdx.json").read_text()), json.loads((model / "sdx.json").read_text())
+    assert spec["pipeline_class"] == source["pipeline_class"]
+    assert spec["components"].keys() == source["components"].keys()
+    changed = load_file(out / "vae.safetensors")
+    before = load_file(model / "vae.safetensors")
+    assert changed.keys() == before.keys()
+    assert any(not np.array_equal(changed[k], before[k]) for k in changed)
+    files = sorted(p.relative_to(model) for p in model.rglob("*") if p.is_file() and p.name != "sdx.json")
+    assert Path("unet.safetensors") in files and any(p.parts[0] == "tokenizer" for p in files)
+    for rel in files:
+        if rel != Path("vae.safetensors"):
+            assert (out / rel).read_bytes() == (model / rel).read_bytes(), rel
