@@ -7,8 +7,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory):
-    """demo(name) -> the sdx folder of demo model `name` (random weights), built once per test session."""
+    """demo(name) -> the sdx folder of demo model `name` (random weights), built once per test session, where
+    `python -m sdx.sample --model NAME` finds it when $SDX_CACHE is `demo.cache`."""
     from pipelines.demo import demo_folder
 
-    root = tmp_path_factory.mktemp("demo-models")
-    return lambda name: demo_folder(name, root)
+    cache = tmp_path_factory.mktemp("sdx-cache")
+
+    def demo(name: str):
+        return demo_folder(name, cache / "models")
+
+    demo.cache = cache
+    return demo

@@ -130,3 +130,12 @@ def test_sigterm_checkpoints_exits_0_and_resumes_to_the_same_weights(world):
     assert (stopped / "unet.safetensors").read_bytes() == (straight / "unet.safetensors").read_bytes()
     steps = [json.loads(l)["step"] for l in (stopped / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 1))
+
+
+def test_model_names_resolve_as_the_sampler_resolves_them(world, demo_models, monkeypatch):
+    """--pretrained_model_name_or_path tiny: the demo model in the sdx cache, as `--model tiny`."""
+    from train import config, models
+
+    monkeypatch.setenv("SDX_CACHE", str(demo_models.cache))
+    cfg = config.parse("pix2pix", ["--pretrained_model_name_or_path", "tiny", "--dataset_name", "d"])
+    assert models.resolve_folder(cfg, log=lambda _m: None) == demo_models("tiny")
