@@ -89,7 +89,7 @@ def _fingerprint(folder: Path) -> str:
     return h.hexdigest()
 
 
-def _identity(path: Path) -> str:
+def identity(path: Path) -> str:
     """A folder's or file's identity for cache keys: its resolved path and its files' sizes and mtimes."""
     path = Path(path)
     if path.is_dir():
@@ -124,10 +124,10 @@ def ensure_sdx_folder(
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "models"
     path = Path(src)
     if path.is_dir() or path.is_file():
-        source, key = path, _identity(path)
+        source, key = path, identity(path)
         name = path.resolve().stem if path.is_file() else path.resolve().name
         if options.config is not None and Path(options.config).exists():
-            key += f"\0config\0{_identity(Path(options.config))}"
+            key += f"\0config\0{identity(Path(options.config))}"
         if options.preset is not None:
             key += f"\0preset\0{options.preset}"
     elif path.exists() or looks_local(str(src)) or not hub.looks_like_repo_id(str(src)):
@@ -139,9 +139,9 @@ def ensure_sdx_folder(
         key, name = f"hub\0{src}\0{source.name}", str(src).replace("/", "--")
     loras, vae = resolved(options, variant=variant, cache_dir=None, log=log)
     for lora, scale in loras:
-        key += f"\0lora\0{_identity(lora)}\0{scale!r}"
+        key += f"\0lora\0{identity(lora)}\0{scale!r}"
     if vae is not None:
-        key += f"\0vae\0{_identity(vae)}"
+        key += f"\0vae\0{identity(vae)}"
     digest = hashlib.sha256(f"{key}\0{variant}".encode()).hexdigest()[:12]
     out = root / f"{name}-{dtype}-{digest}"
     if model_folder.is_model_folder(out):

@@ -58,6 +58,7 @@ grain's iterator state, only the same dataset, seed and host count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -157,24 +158,29 @@ class Transform:
         """The sample's four uniforms in [0, 1): flip, crop top, crop left, caption choice."""
         return np.random.default_rng([int(self.seed) % 2**64, int(index)]).random(4)
 
-    def geometry(self, height: int, width: int, index: int) -> Geometry:
+    def flip(self, index: int) -> bool:
+        """Whether sample `index` is flipped."""
+        return bool(self.random_flip and self.draws(index)[0] < 0.5)
+
+    def geometry(self, height: int, width: int, index: int, flip: bool | None = None) -> Geometry:
+        """flip: None draws it (`flip(index)`); True/False imposes it (the latent cache encodes both)."""
         res = self.resolution
         short, long = (height, width) if height <= width else (width, height)
         new_long = int(res * long / short)  # torchvision's _compute_resized_output_size
         rh, rw = (res, new_long) if height <= width else (new_long, res)
         u = self.draws(index)
-        flip = bool(self.random_flip and u[0] < 0.5)
+        flip = self.flip(index) if flip is None else bool(flip)
         if self.center_crop:
             top, left = int(round((rh - res) / 2.0)), int(round((rw - res) / 2.0))
         else:
             top, left = int(u[1] * (rh - res + 1)), int(u[2] * (rw - res + 1))
         return Geometry((height, width), (rh, rw), flip, top, left)
 
-    def images(self, pictures: Sequence[Image.Image], index: int) -> tuple[list[np.ndarray], Geometry]:
+    def images(self, pictures: Sequence[Image.Image], index: int, flip: bool | None = None) -> tuple[list[np.ndarray], Geometry]:
         """RGB pictures -> uint8 (res, res, 3) arrays, all resized to the first one's resized size and
-        flipped and cropped alike; and that geometry."""
+        flipped and cropped alike; and that geometry (flip: as in `geometry`)."""
         first = pictures[0]
-        geo = self.geometry(first.height, first.width, index)
+        geo = self.geometry(first.height, first.width, index, flip)
         rh, rw = geo.resized
         res = self.resolution
         out = []
@@ -225,10 +231,14 @@ def load_image(path: str | os.PathLike, resolution: int) -> np.ndarray:
 class _Stream:
     """Host position q -> the element of global stream index p = q * shard_count + shard_index: a dict
     with the sample's uint8 images, text or token ids and geometry; or {"skip": reason} for an
-    unreadable sample; or {"error": message} for a dataset error. Picklable (grain's workers)."""
+    unreadable sample; or {"error": message} for a dataset error. Picklable (grain's workers).
+
+    element: (source position, p) -> element, instead of reading and decoding the row (the latent
+    cache's elements, see train/cache.py); it must skip the samples decoding would skip."""
 
     def __init__(self, source: Source, transform: Transform, seed: int, shuffle: bool, shard_index: int,
-                 shard_count: int):
+                 shard_count: int, element: Callable[[int, int], dict] | None = None):
+        self.element = element
         self.source, self.transform = source, transform
         self.seed, self.shuffle = int(seed), shuffle
         self.shard_index, self.shard_count = shard_index, shard_count
@@ -251,7 +261,12 @@ class _Stream:
 
     def __call__(self, q: int) -> dict:
         p = self.global_index(int(q))
-        example: Example = self.source[self.position(p)]
+        if self.element is not None:
+            return self.element(self.position(p), p)
+        return self.read(self.source[self.position(p)], p)
+
+    def read(self, example: Example, p: int, flip: bool | None = None) -> dict:
+        """A row -> its stream element as sample p (flip: imposed, else drawn)."""
         head = {"index": np.int64(p), "row": np.int64(example.row), "where": example.where}
         out = dict(head)
         if self.text_column is not None:
@@ -272,11 +287,18 @@ class _Stream:
                     raise UnreadableImage(f"column {column!r}: {e}") from None
         except UnreadableImage as e:
             return {**head, "skip": str(e)}
-        arrays, geo = self.transform.images(pictures, p)
+        arrays, geo = self.transform.images(pictures, p, flip)
         out["images"] = dict(zip(self.names, arrays))
         out["original_size"] = np.asarray(geo.original_size, np.int32)
         out["crop_top_left"] = np.asarray((geo.top, geo.left), np.int32)
         return out
+
+
+def read_example(source: Source, transform: Transform, example: Example, p: int = 0,
+                 flip: bool | None = None) -> dict:
+    """One row, read and decoded as the loader reads sample p (flip: imposed, else drawn): its stream
+    element (see `_Stream`)."""
+    return _Stream(source, transform, 0, False, 0, 1).read(example, p, flip)
 
 
 def collate(elements: Sequence[dict], names: Sequence[str]) -> dict[str, Any]:
@@ -306,7 +328,8 @@ class Loader:
 
     def __init__(self, source: Source, transform: Transform, *, batch_size: int, seed: int, num_epochs: int | None,
                  shard_index: int, shard_count: int, workers: int, threads: int, shuffle: bool,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], element: Callable[[int, int], dict] | None = None,
+                 collate_fn: Callable[[Sequence[dict]], dict] | None = None):
         if batch_size < 1:
             raise SdxError(f"batch size must be at least 1, got {batch_size}")
         if not 0 <= shard_index < shard_count:
@@ -320,7 +343,8 @@ class Loader:
         self.shard_index, self.shard_count = shard_index, shard_count
         self.workers, self.threads, self.shuffle = workers, max(1, threads), shuffle
         self.log = log
-        self._stream = _Stream(source, transform, self.seed, shuffle, shard_index, shard_count)
+        self._stream = _Stream(source, transform, self.seed, shuffle, shard_index, shard_count, element)
+        self._collate = collate_fn or functools.partial(collate, names=source.columns.names)
         # every host reads the same number of stream samples: floor(epochs * N / hosts)
         self._end = sys.maxsize if num_epochs is None else num_epochs * len(source) // shard_count
         self._position = 0  # host stream samples consumed by the batches returned
@@ -416,7 +440,7 @@ class Loader:
                 in_a_row = 0
                 pending.append(element)
                 if len(pending) == self.batch_size:
-                    batch = collate(pending, self.source.columns.names)
+                    batch = self._collate(pending)
                     pending = []
                     self._position = start + consumed
                     self._skipped += skipped
@@ -448,14 +472,17 @@ def _grain_flags_usable() -> None:
 def make_loader(source: Source, transform: Transform, *, batch_size: int, seed: int | None = None,
                 num_epochs: int | None = None, shard_index: int | None = None, shard_count: int | None = None,
                 workers: int = 0, threads: int | None = None, shuffle: bool = True,
-                log: Callable[[str], None] | None = None) -> Loader:
+                log: Callable[[str], None] | None = None, element: Callable[[int, int], dict] | None = None,
+                collate_fn: Callable[[Sequence[dict]], dict] | None = None) -> Loader:
     """Batches of `batch_size` samples of this host's share of `source`.
 
     seed: the epochs' shuffle (default transform.seed); num_epochs: None for an endless stream, else
     the stream ends after num_epochs passes (the last partial batch dropped); shard_index/shard_count:
     this host and the number of hosts (default jax.process_index() / jax.process_count()); workers:
     decoding processes (0: threads of this process); threads: decoding threads per process (default
-    min(8, CPUs)); shuffle: False reads rows in order (evaluation); log: where skip messages go.
+    min(8, CPUs)); shuffle: False reads rows in order (evaluation); log: where skip messages go;
+    element, collate_fn: (source position, p) -> element and elements -> batch in place of reading and
+    decoding rows (the latent cache, train/cache.py): same order, shuffling, sharding, skips and state.
     """
     if shard_index is None or shard_count is None:
         import jax
@@ -465,4 +492,4 @@ def make_loader(source: Source, transform: Transform, *, batch_size: int, seed: 
     return Loader(source, transform, batch_size=batch_size, seed=transform.seed if seed is None else seed,
                   num_epochs=num_epochs, shard_index=shard_index, shard_count=shard_count, workers=workers,
                   threads=threads if threads is not None else min(8, os.cpu_count() or 1), shuffle=shuffle,
-                  log=log or _stderr)
+                  log=log or _stderr, element=element, collate_fn=collate_fn)

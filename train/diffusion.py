@@ -26,6 +26,8 @@ from pipelines.request import Request
 from sdx import mesh as meshlib
 from sdx import model_folder, schedulers
 from sdx.errors import SdxError
+from convert.library import identity
+from train import cache as cachelib
 from train import data, denoise, export, models, sources
 from train.config import TrainConfig
 
@@ -67,8 +69,28 @@ class DiffusionTask:
             return denoise.encode_batch(fam, mods["vae"], {e: mods[e] for e in fam.encoders}, batch, text_dtype)
 
         self._encode = jax.jit(encode)
+        self.cache: cachelib.LatentCache | None = None
 
     # ---- what the loop calls
+
+    def prepare_data(self, source: sources.Source, out: Path) -> dict:
+        """--cache_latents: encode the dataset once into out/cache/process-N (or reuse what is there), and
+        return the loader's hooks that read it (see train/cache.py); without it, nothing to do."""
+        cfg = self.cfg
+        if not cfg.cache_latents:
+            return {}
+        spec = cfg.dataset_name or cfg.train_data_dir
+        key = {"task": cfg.task, "dataset": spec, "dataset_identity": identity(Path(spec)) if Path(spec).exists() else None,
+               "description": source.description, "samples": len(source), "columns": list(source.columns.images),
+               "text_column": source.columns.text, "max_train_samples": cfg.max_train_samples, "seed": cfg.seed,
+               "model": identity(self.folder), "resolution": cfg.resolution, "center_crop": cfg.center_crop,
+               "random_flip": cfg.random_flip, "text_dtype": str(jnp.dtype(models.computes(cfg)["text"].dtype)),
+               "family": repr(self.models.family)}
+        encode = lambda host: self._encode(self._frozen, meshlib.put_batch(self.mesh, self.host_arrays(host)))
+        self.cache = cachelib.LatentCache.open_or_build(
+            out / "cache" / f"process-{jax.process_index()}", source, self.transform, encode=encode,
+            batch_size=cfg.train_batch_size * jax.local_device_count(), key=key, log=self.log)
+        return {"element": self.cache.element, "collate_fn": self.cache.collate}
 
     def host_arrays(self, host: dict) -> dict:
         """The loader's numpy batch -> the arrays the frozen encoders read."""
@@ -84,10 +106,15 @@ class DiffusionTask:
         return out
 
     def step_batch(self, host: dict) -> dict:
+        if self.cache is not None:
+            return meshlib.put_batch(self.mesh, self.cache.gather(host))
         arrays = meshlib.put_batch(self.mesh, self.host_arrays(host))
         return self._encode(self._frozen, arrays)
 
     def batch_shapes(self, host: dict) -> dict:
+        if self.cache is not None:
+            return {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
+                    for k, v in self.cache.gather(host).items()}
         arrays = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), self.host_arrays(host))
         return jax.eval_shape(self._encode, self._frozen, arrays)
 

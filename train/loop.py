@@ -39,7 +39,9 @@ from train.metrics import Metrics
 
 
 class Task(Protocol):
-    """What one kind of training adds to the loop (see train/diffusion.py, train/vae.py)."""
+    """What one kind of training adds to the loop (see train/diffusion.py, train/vae.py). A task may also
+    have `prepare_data(source, output_dir) -> dict`, extra keyword arguments of `data.make_loader` (the
+    latent cache's, train/cache.py)."""
 
     module: nnx.Module  # the trainable model, placed on the mesh
 
@@ -131,8 +133,10 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     tx, lr_schedule = make_optimizer(cfg, sched.total)
     ema = ema_config(cfg)
     state = steplib.init_state(params, tx, use_ema=ema is not None)
+    prepare = getattr(task, "prepare_data", None)  # --cache_latents: the loader reads the cache instead of images
+    hooks = prepare(source, out) if prepare is not None else {}
     loader = data.make_loader(source, task.transform, batch_size=sched.per_host_batch, seed=cfg.seed,
-                              num_epochs=None, workers=cfg.dataloader_num_workers)
+                              num_epochs=None, workers=cfg.dataloader_num_workers, **hooks)
     ckpts = checkpoint.Checkpoints(out / "checkpoints", keep=cfg.checkpoints_total_limit)
     start = 0
     if resume is not None:
