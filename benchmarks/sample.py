@@ -68,6 +68,25 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def run_workers(script: str, frameworks, argv, *, extra=(), env=None) -> list[dict] | None:
+    """`script --worker FW *extra *argv` for each framework, each in a subprocess of its own; the JSON of
+    each one's last output line, or None once one fails (its error printed)."""
+    results = []
+    for fw in frameworks:
+        cmd = [sys.executable, script, "--worker", fw, *extra, *argv]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
+        if proc.returncode:
+            print(f"{fw} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
+            return None
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return results
+
+
+def machine() -> str:
+    """The date and the machine, for a results header."""
+    return f"{time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+
+
 def run_sdx(args) -> dict:
     import jax
     import numpy as np
@@ -154,16 +173,10 @@ def main(argv=None) -> int:
         return 0
     folder = build_diffusers_folder(args.preset, Path(args.work) / f"diffusers-{args.preset}")
     frameworks = ["sdx"] + ([] if args.no_reference else ["diffusers"])
-    results = []
-    for fw in frameworks:
-        cmd = [sys.executable, __file__, "--worker", fw, "--folder", str(folder), *(argv or sys.argv[1:])]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
-        if proc.returncode:
-            print(f"{fw} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-            return 1
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
+    results = run_workers(__file__, frameworks, argv or sys.argv[1:], extra=("--folder", str(folder)))
+    if results is None:
+        return 1
+    print(f"# {machine()}; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
           f"{args.dtype}")
     print("| framework | device | first call − steady (s) | s/image | images/s | peak memory (GiB) |")
     print("|---|---|---|---|---|---|")

@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sample import peak_rss_bytes  # noqa: E402
+from benchmarks.sample import machine, peak_rss_bytes, run_workers  # noqa: E402
 
 
 def unet_config(args) -> dict:
@@ -228,20 +226,15 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps({"sdx": run_sdx, "diffusers": run_diffusers}[args.worker](args)))
         return 0
-    results = []
-    for fw in ["sdx"] + ([] if args.no_reference else ["diffusers"]):
-        cmd = [sys.executable, __file__, "--worker", fw, *(argv if argv is not None else sys.argv[1:])]
-        env = dict(os.environ)
-        if args.threads == 1:
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
-                                " intra_op_parallelism_threads=1").strip()
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
-        if proc.returncode:
-            print(f"{fw} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
-            return 1
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    print(f"# {time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs; UNet of {args.preset} with block_out_channels {args.channels or 'as the preset'} "
+    env = dict(os.environ)
+    if args.threads == 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"
+                            " intra_op_parallelism_threads=1").strip()
+    frameworks = ["sdx"] + ([] if args.no_reference else ["diffusers"])
+    results = run_workers(__file__, frameworks, argv if argv is not None else sys.argv[1:], env=env)
+    if results is None:
+        return 1
+    print(f"# {machine()}; UNet of {args.preset} with block_out_channels {args.channels or 'as the preset'} "
           f"({results[0]['params'] / 1e6:.1f}M parameters), {args.size}x{args.size}, batch {args.batch}, {args.dtype}"
           f"{', remat' if args.remat else ''}{', 1 thread' if args.threads else ''}; best of {args.repeats} steps "
           f"after {args.warmup}")
