@@ -78,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
     p.add_argument("--grid", metavar="FILE.png",
-                   help="also write all images as one grid PNG (columns: --num-images, or about the square root)")
+                   help="also write all images as one grid PNG (a row per prompt with --num-images, else about square, "
+                        "wider than tall)")
     p.add_argument("--overwrite", action="store_true", help="replace existing files")
     p.add_argument("--refiner", help="SDXL refiner model, run after the base (ensemble of experts)")
     p.add_argument("--high-noise-frac", type=float, default=0.8, help="where the base hands over to the refiner")
@@ -274,7 +275,7 @@ def run(args: argparse.Namespace) -> list[Path]:
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
     if grid_path is not None:
-        columns = args.num_images if args.num_images > 1 else math.ceil(math.sqrt(len(pixels)))
+        columns = args.num_images if args.num_images > 1 else math.ceil(len(pixels) / math.isqrt(len(pixels)))
         save_png(grid_path, grid(pixels, columns), {**params, "prompt": " | ".join(request.prompts), "grid": columns})
         log(f"wrote {grid_path}")
         paths.append(grid_path)

@@ -334,8 +334,11 @@ _add(
 
 # The architecture of the shipped default models (`--model default`, `default-edit`), trained by sdx on
 # its shapes world at 64x64 (train/recipe.sh): SDXL's structure (two text encoders, clip skip, pooled
-# embedding, time ids) at a small width, a 3-level VAE (64x64 -> 16x16x4), trailing timesteps so that
-# sampling starts from pure noise. The VAE's scaling_factor is measured when it is trained.
+# embedding, time ids) at a small width, a 3-level VAE (64x64 -> 16x16x4). A zero terminal SNR schedule
+# with v-prediction and trailing timesteps (Lin et al. 2023): with SDXL's schedule the last training step
+# still shows the picture's mean colour, so a model trained on flat backgrounds learns to read the
+# background from the noise instead of the prompt, and draws a random one from pure noise. The VAE's
+# scaling_factor is measured when it is trained.
 _add(
     "shapes", None, "StableDiffusionXLPipeline",
     {"unet": {**_SDXL_UNET, "attention_head_dim": [2, 4], "block_out_channels": [64, 96],
@@ -347,7 +350,8 @@ _add(
      "text_encoder": {**_tiny_text(hidden_act="quick_gelu"), "hidden_size": 16, "intermediate_size": 32,
                       "num_attention_heads": 2, "projection_dim": 16},
      "text_encoder_2": {**_tiny_text("CLIPTextModelWithProjection", hidden_act="gelu")},
-     "scheduler": {**_SDXL_SCHEDULER, "timestep_spacing": "trailing"}},
+     "scheduler": {**_SDXL_SCHEDULER, "timestep_spacing": "trailing", "rescale_betas_zero_snr": True,
+                   "prediction_type": "v_prediction"}},
     extra={"force_zeros_for_empty_prompt": True},
     tokenizers={"tokenizer": _OPENAI_TOKENIZER, "tokenizer_2": _OPEN_CLIP_TOKENIZER},
 )
