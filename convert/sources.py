@@ -245,24 +245,31 @@ def read_vae_source(path: Path, pipeline_vae_config: dict, *, variant: str | Non
     return config, diffusers_folder.normalize_vae(diffusers_folder.read_weights(path, choice))
 
 
+def check_vae_architecture(config: dict, wanted: dict, *, where: str):
+    """The VAEConfig of diffusers config `config`, checked to have the architecture of `wanted`'s (its
+    latent scaling may differ); one error naming every field that differs."""
+    from sdx.vae import VAEConfig
+
+    try:
+        new = VAEConfig.from_diffusers_config(config)
+    except SdxError as e:
+        raise SdxError(f"{where}: {e}") from None
+    old = VAEConfig.from_diffusers_config(wanted)
+    diff = [f"{k} {getattr(new, k)} (the model's: {getattr(old, k)})" for k in _VAE_ARCHITECTURE
+            if getattr(new, k) != getattr(old, k)]
+    if diff:
+        raise SdxError(f"{where}: its architecture differs from the model's VAE: {'; '.join(diff)}")
+    return new
+
+
 def swap_vae(ckpt: Checkpoint, path: Path, *, variant: str | None = None, log: Log | None = None) -> None:
     """Replace `ckpt`'s VAE (config and weights) by the one at `path`, which must have the same architecture;
     its own latent scaling (scaling_factor, shift_factor) and force_upcast come with it."""
-    from sdx.vae import VAEConfig
-
     log = log or (lambda _msg: None)
     if "vae" not in ckpt.configs:
         raise SdxError(f"--vae {path}: the model has no VAE to replace")
     config, tensors = read_vae_source(path, ckpt.configs["vae"], variant=variant)
-    try:
-        new = VAEConfig.from_diffusers_config(config)
-    except SdxError as e:
-        raise SdxError(f"--vae {path}: {e}") from None
-    old = VAEConfig.from_diffusers_config(ckpt.configs["vae"])
-    diff = [f"{k} {getattr(new, k)} (the model's: {getattr(old, k)})" for k in _VAE_ARCHITECTURE
-            if getattr(new, k) != getattr(old, k)]
-    if diff:
-        raise SdxError(f"--vae {path}: its architecture differs from the model's VAE: {'; '.join(diff)}")
+    new = check_vae_architecture(config, ckpt.configs["vae"], where=f"--vae {path}")
     ckpt.configs["vae"], ckpt.tensors["vae"] = config, tensors
     log(f"vae: {path} (scaling_factor {new.scaling_factor}, force_upcast {new.force_upcast})")
 

@@ -100,10 +100,10 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None) -> Path:
+def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None, variant=None, revision=None) -> Path:
     """An sdx folder for `spec` (default or demo model name, sdx folder, diffusers folder, single file or hub
     id), with `options` (a `convert.sources.ModelOptions`: LoRAs, VAE, config folder) applied in a cached
-    conversion."""
+    conversion (`variant`, `revision`: of a hub id)."""
     from convert.library import ensure_sdx_folder
     from convert.sources import ModelOptions
     from pipelines import default_models
@@ -121,7 +121,8 @@ def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None) -> P
         if options.empty:
             return named
         spec = str(named)
-    return ensure_sdx_folder(spec, dtype=dtype, cache_dir=cache / "models", options=options, log=log)
+    return ensure_sdx_folder(spec, dtype=dtype, variant=variant, revision=revision, cache_dir=cache / "models",
+                             options=options, log=log)
 
 
 def load_image(path: str, size: tuple[int, int] | None, multiple: int) -> np.ndarray:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import sdx
@@ -72,11 +73,9 @@ def _pad_tokens(src: Path, spec: dict) -> dict[str, str]:
         if "folder" not in entry:
             continue
         tok = src / entry["folder"]
-        probe = write_builtin_folder(Path(str(tok) + ".probe"), pad_token="!")
-        try:
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = write_builtin_folder(Path(tmp), pad_token="!")
             same = all((tok / f).read_bytes() == (probe / f).read_bytes() for f in ("vocab.json", "merges.txt"))
-        finally:
-            shutil.rmtree(probe)
         if not same:
             raise SdxError(f"{tok}: not sdx's built-in CLIP vocabulary; only that can be packed")
         pads[entry["folder"]] = io.read_json(tok / "special_tokens_map.json", obj=True)["pad_token"]

@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from convert.sources import read_vae_source
+from convert.sources import check_vae_architecture, read_vae_source
 from pipelines.demo import random_parts, write_pipeline
 from sdx import model_folder, presets, weights
 from sdx.errors import ArgumentParser, SdxError
 from sdx.layers import F32
-from sdx.vae import VAEConfig
 from train import data, loop, sources
 
 
@@ -51,10 +50,7 @@ def parser() -> ArgumentParser:
 def trained_vae(path: str, preset: presets.Preset) -> model_folder.ModelPart:
     """The VAE at `path` as a model part, checked to be the preset's VAE architecture."""
     config, tensors = read_vae_source(Path(path), preset.configs["vae"])
-    vae_config = VAEConfig.from_diffusers_config(config)
-    wanted = VAEConfig.from_diffusers_config(preset.configs["vae"])
-    if vae_config.block_out_channels != wanted.block_out_channels or vae_config.latent_channels != wanted.latent_channels:
-        raise SdxError(f"--vae {path}: not the VAE architecture of preset {preset.name}")
+    vae_config = check_vae_architecture(config, preset.configs["vae"], where=f"--vae {path}")
     targets = model_folder.MODEL_KINDS["vae"].param_shapes(vae_config)
     arrays = weights.from_torch_keys(targets, tensors, where=f"--vae {path}")
     return model_folder.ModelPart("AutoencoderKL", vae_config, arrays, config)

@@ -24,9 +24,7 @@ from flax import nnx
 
 from convert import library as convert_lib
 from convert.sources import ModelOptions
-from pipelines import default_models
 from pipelines.cli import resolve_model
-from pipelines.demo import DEMO_MODELS
 from pipelines.family import Family, family_of
 from sdx import mesh as meshlib
 from sdx import model_folder, weights
@@ -60,13 +58,8 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
     default or demo model name, `default`, `tiny`, ..., found or built there as `python -m sdx.sample
     --model` does)."""
     options = ModelOptions.from_args(vae=cfg.pretrained_vae_model_name_or_path)
-    spec = cfg.pretrained_model_name_or_path
-    if spec in (*default_models.NAMES, *DEMO_MODELS) and not Path(spec).exists():
-        return resolve_model(spec, dtype="float32", cache=convert_lib.default_cache_dir(), log=log, options=options)
-    return convert_lib.ensure_sdx_folder(
-        cfg.pretrained_model_name_or_path, dtype="float32", variant=cfg.variant, revision=cfg.revision,
-        options=options, log=log,
-    )
+    return resolve_model(cfg.pretrained_model_name_or_path, dtype="float32", cache=convert_lib.default_cache_dir(),
+                         log=log, options=options, variant=cfg.variant, revision=cfg.revision)
 
 
 def computes(cfg: TrainConfig) -> dict[str, Compute]:

@@ -9,8 +9,8 @@ samples) and holds `index`, each sample's global index. Every random draw of the
 in a micro-batch of 1 or 64, on one device or split over a mesh, and a resumed run draws what the
 uninterrupted one would have.
 
-Gradient accumulation is a `lax.scan` over the micro-batches inside the step (unrolled on the CPU), so the learning-rate
-schedule and the EMA count optimizer steps. The mean of the micro-batch losses (and gradients) equals
+Gradient accumulation is a `lax.scan` over the micro-batches inside the step (unrolled on the CPU), so
+the learning-rate schedule and the EMA count optimizer steps. The mean of the micro-batch losses (and gradients) equals
 the loss of the whole batch because every micro-batch has the same size.
 
 Sharding: the state keeps the shardings it was placed with (parameters, gradients, optimizer state and
