@@ -104,7 +104,7 @@ class Pipeline:
             progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
             progress.refresh()
         report = None if progress is None else progress.update
-        outs = [np.asarray(jax.device_get(self.sampler(plan, inputs, report)))[:real] for plan, inputs, real in work]
+        outs = [meshlib.to_host(self.sampler(plan, inputs, report))[:real] for plan, inputs, real in work]
         out = np.concatenate(outs)
         return out if request.output_latents else np.clip(out / 2 + 0.5, 0.0, 1.0)
 

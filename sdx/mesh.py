@@ -20,9 +20,19 @@ DATA, FSDP = "data", "fsdp"
 
 
 def initialize() -> None:
-    """Join a multi-host job when the environment describes one (JAX's own coordinator variables)."""
-    if jax.process_count() == 1 and any(k in os.environ for k in ("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")):
-        jax.distributed.initialize()
+    """Join a multi-host job when the environment names its coordinator: `JAX_COORDINATOR_ADDRESS`
+    (host:port of process 0) on every host, with `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` where JAX
+    cannot detect them itself (it does on Cloud TPU pods, SLURM, Open MPI and Kubernetes). Must run
+    before anything touches a device: JAX refuses to join once its backend is up."""
+    if jax.distributed.is_initialized() or "JAX_COORDINATOR_ADDRESS" not in os.environ:
+        return
+    count, index = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+    try:
+        jax.distributed.initialize(num_processes=int(count) if count else None,
+                                   process_id=int(index) if index else None)
+    except ValueError as e:  # JAX's own message names what is missing; a malformed number lands here too
+        raise SdxError(f"joining the multi-host job of JAX_COORDINATOR_ADDRESS="
+                       f"{os.environ['JAX_COORDINATOR_ADDRESS']} failed: {e}") from None
 
 
 def make_mesh(fsdp: int = 1, devices=None) -> Mesh:
@@ -70,6 +80,14 @@ def check_batch(mesh: Mesh, batch: int) -> None:
         )
 
 
+def global_batch_shapes(tree):
+    """The shapes of this host's share of a batch -> the global batch's, as `put_batch` makes it (every
+    host's samples stacked on the leading axis)."""
+    def grow(s):
+        return jax.ShapeDtypeStruct((s.shape[0] * jax.process_count(), *s.shape[1:]), s.dtype)
+    return jax.tree.map(grow, tree)
+
+
 def put_batch(mesh: Mesh, tree):
     """This host's share of a batch (numpy, leading axis = this host's samples) -> global arrays split over
     every device of `mesh` (`jax.make_array_from_process_local_data`: one host or many)."""
@@ -77,3 +95,15 @@ def put_batch(mesh: Mesh, tree):
         a = np.asarray(a)
         return jax.make_array_from_process_local_data(batch_sharding(mesh, a.ndim), a)
     return jax.tree.map(put, tree)
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole value of `x` as numpy on this host, also when it is split over devices of other hosts
+    (then a collective: every process of the job must call it)."""
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

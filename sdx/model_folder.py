@@ -51,6 +51,7 @@ import numpy as np
 from flax import nnx
 
 from sdx import io, weights
+from sdx import mesh as meshlib
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -284,9 +285,10 @@ def torch_state(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any]
 
 
 def module_arrays(model: nnx.Module) -> dict[str, np.ndarray]:
-    """{parameter path: host numpy array} of a live model (gathered from its devices), for `write_model_folder`."""
+    """{parameter path: host numpy array} of a live model (gathered from its devices), for `write_model_folder`.
+    In a multi-host job every process must call it: a parameter split over hosts is gathered collectively."""
     state = nnx.state(model, nnx.Param)
-    return {".".join(map(str, p)): np.asarray(jax.device_get(v.get_value())) for p, v in nnx.to_flat_state(state)}
+    return {".".join(map(str, p)): meshlib.to_host(v.get_value()) for p, v in nnx.to_flat_state(state)}
 
 
 # --------------------------------------------------------------------------------------------------

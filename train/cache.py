@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+from tqdm import tqdm
 
 from sdx import io, model_folder
 from sdx.errors import SdxError
@@ -184,7 +185,8 @@ def _build(folder: Path, source, transform, encode, batch_size: int, key, log) -
                         arrays[name][pos] = _storable(value[j])
             pending.clear()
 
-        for pos in range(n):
+        for pos in tqdm(range(n), desc="latent cache", unit="sample", disable=jax.process_index() != 0,
+                        dynamic_ncols=True):
             for v in range(variants):
                 element = _read(source, transform, pos, flip=bool(v))
                 rows[pos] = element["row"]

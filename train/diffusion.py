@@ -66,7 +66,10 @@ class DiffusionTask:
 
         def encode(frozen, batch):
             mods = nnx.merge(graphdef, frozen)
-            return denoise.encode_batch(fam, mods["vae"], {e: mods[e] for e in fam.encoders}, batch, text_dtype)
+            out = denoise.encode_batch(fam, mods["vae"], {e: mods[e] for e in fam.encoders}, batch, text_dtype)
+            # the step takes its batch split over every device; an fsdp-split encoder weight (SDXL's text
+            # projection) would otherwise leave its output split over fsdp in its feature axis
+            return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, meshlib.batch_sharding(mesh, x.ndim)), out)
 
         self._encode = jax.jit(encode)
         self.cache: cachelib.LatentCache | None = None

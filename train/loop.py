@@ -149,7 +149,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     it = iter(loader)
     first = next(it)
     compiled = steplib.compile_step(
-        state, task.batch_shapes(first), seed_key, mesh, loss_fn=task.loss_fn(graphdef), tx=tx,
+        state, meshlib.global_batch_shapes(task.batch_shapes(first)), seed_key, mesh, loss_fn=task.loss_fn(graphdef), tx=tx,
         accumulation=cfg.gradient_accumulation_steps, ema=ema, learning_rate=lr_schedule,
     )
     tb = (out / cfg.logging_dir) if cfg.report_to == "tensorboard" else None

@@ -1,0 +1,41 @@
+"""`python -m train.pix2pix` on a mesh, run in a subprocess by tests/test_train_e2e.py:
+
+    python tests/mesh_train_child.py OUT [--resume] TRAIN_FLAGS...
+
+trains into OUT/a; with --resume also copies OUT/a's step-2 checkpoint into OUT/b and resumes there.
+Every parameter of the tiny model is split over fsdp (sdx splits only tensors of 2**18 elements or
+more, which a tiny model has none of); the child checks the training state really is split."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+
+from sdx import mesh as meshlib
+from train import pix2pix, step as steplib
+
+meshlib.param_sharding.__defaults__ = (1,)
+split: list[int] = []
+_init_state = steplib.init_state
+
+
+def _recording(*args, **kwargs):
+    state = _init_state(*args, **kwargs)
+    split.append(sum(meshlib.FSDP in str(x.sharding.spec) for x in jax.tree.leaves(state) if x.ndim))
+    return state
+
+
+steplib.init_state = _recording
+out, rest = Path(sys.argv[1]), sys.argv[2:]
+resume = rest[:1] == ["--resume"]
+flags = rest[1:] if resume else rest
+assert pix2pix.train([*flags, "--output_dir", str(out / "a")]) == 0
+if resume:
+    (out / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(out / "a" / "checkpoints" / "2", out / "b" / "checkpoints" / "2")
+    assert pix2pix.train([*flags, "--output_dir", str(out / "b"), "--resume_from_checkpoint", "latest"]) == 0
+assert jax.device_count() == 4 and split and all(n > 100 for n in split), (jax.device_count(), split)
+print("state leaves split over fsdp:", split)
