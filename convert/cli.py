@@ -7,12 +7,11 @@ as one line `error: ...`, exit status 2.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from convert.library import WRITERS, convert
 from convert.sources import ModelOptions
 from sdx import weights
-from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
+from sdx.errors import ArgumentParser, run_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,15 +53,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
-    try:
+    def body():
+        args = _parser().parse_args(argv)
+        log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
         options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
-        convert(
-            args.src, args.out, fmt=args.fmt, dtype=args.dtype, variant=args.variant, revision=args.revision,
-            overwrite=args.overwrite, options=options, log=log,
-        )
-    except SdxError as e:
-        print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return EXIT_USAGE
-    return 0
+        convert(args.src, args.out, fmt=args.fmt, dtype=args.dtype, variant=args.variant, revision=args.revision,
+                overwrite=args.overwrite, options=options, log=log)
+
+    return run_command(body)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
+from sdx.errors import ArgumentParser, SdxError, run_command
 
 
 
@@ -292,16 +292,10 @@ def grid(images: np.ndarray, columns: int) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a usage error already printed as one line
-        return int(e.code or 0)
-    try:
-        run(args)
-    except SdxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return 0
+    def body():
+        run(parser().parse_args(argv))
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sdx
 from sdx import io, model_folder
-from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
+from sdx.errors import ArgumentParser, SdxError, run_command
 from sdx.tokenizer import write_builtin_folder
 
 SHIPPED = Path(sdx.__file__).resolve().parent / "assets" / "models"
@@ -112,18 +112,14 @@ def main(argv=None) -> int:
     s.add_argument("t2i", help="the text-to-image sdx folder")
     s.add_argument("edit", help="the InstructPix2Pix sdx folder")
     s.add_argument("--out", default=str(SHIPPED), help=f"where to write (default {SHIPPED})")
-    try:
+
+    def body():
         args = p.parse_args(argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    try:
         out = pack(Path(args.t2i), Path(args.edit), Path(args.out))
-    except SdxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"wrote {out} ({size / 1e6:.1f} MB)", file=sys.stderr)
-    return 0
+        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        print(f"wrote {out} ({size / 1e6:.1f} MB)", file=sys.stderr)
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

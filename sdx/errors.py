@@ -6,6 +6,7 @@ that escapes is a bug in sdx and keeps its traceback.
 
 import argparse
 import sys
+from collections.abc import Callable
 
 EXIT_USAGE = 2
 
@@ -25,3 +26,15 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         print(f"error: {message}{self.hint}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def run_command(body: Callable[[], int | None]) -> int:
+    """A command's exit status: `body()`'s own (None: 0); an SdxError raised in it: its message as one
+    `error:` line and EXIT_USAGE; argparse's exits (--help, a usage error it printed): their code."""
+    try:
+        return body() or 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else EXIT_USAGE if e.code else 0
+    except SdxError as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return EXIT_USAGE

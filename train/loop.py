@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from sdx import mesh as meshlib
-from sdx.errors import SdxError
+from sdx.errors import SdxError, run_command
 from train import checkpoint, data, lr, optimizer, signals
 from train import ema as emalib
 from train import step as steplib
@@ -222,9 +222,4 @@ def main(run_task, argv=None) -> Any:
     """Entry point of `python -m train.X`: the persistent compilation cache on; one `error:` line and exit
     status 2 for any bad input."""
     compilation_cache()
-    try:
-        code = run_task(argv)
-    except SdxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    raise SystemExit(code)
+    raise SystemExit(run_command(lambda: run_task(argv)))

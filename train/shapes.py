@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
+from sdx.errors import ArgumentParser, SdxError, run_command
 
 # The palette: saturated, far-apart sRGB values (the closest pair, yellow/orange, is 104 apart).
 PALETTE: dict[str, tuple[int, int, int]] = {
@@ -399,18 +399,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
+    def body():
         args = parser().parse_args(argv)
-    except SystemExit as e:  # --help, or a usage error already printed as one line
-        return int(e.code or 0)
-    try:
         out = write_dataset(args.out, args.kind, count=args.count, seed=args.seed, size=args.size,
                             format=getattr(args, "format", "parquet"), shards=args.shards, overwrite=args.overwrite)
-    except SdxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"wrote {args.count} {args.kind} examples to {out}", file=sys.stderr)
-    return 0
+        print(f"wrote {args.count} {args.kind} examples to {out}", file=sys.stderr)
+
+    return run_command(body)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sdx.errors import EXIT_USAGE, ArgumentParser, SdxError
+from sdx.errors import ArgumentParser, SdxError, run_command
 from train.shapes import COLOURS, EDIT_KINDS, PALETTE, SHAPES, Scene
 
 ROUGH_DISTANCE = 48.0  # RGB distance from the background that surely is foreground (a first guess)
@@ -393,25 +393,19 @@ def to_json(text: Report | None, edits: dict[str, Report] | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser()
-    try:
+    def body():
+        p = parser()
         args = p.parse_args(argv)
         _check_args(p, args)
-    except SystemExit as e:  # --help, or a usage error already printed as one line
-        return int(e.code or 0)
-    try:
         text, edits = run(args)
-    except SdxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    print(format_reports(text, edits))
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(to_json(text, edits), indent=2) + "\n")
-        except OSError as e:
-            print(f"error: --json {args.json}: {e.strerror or e}", file=sys.stderr)
-            return EXIT_USAGE
-    return 0
+        print(format_reports(text, edits))
+        if args.json:
+            try:
+                Path(args.json).write_text(json.dumps(to_json(text, edits), indent=2) + "\n")
+            except OSError as e:
+                raise SdxError(f"--json {args.json}: {e.strerror or e}") from None
+
+    return run_command(body)
 
 
 if __name__ == "__main__":
