@@ -36,12 +36,13 @@ PACK_FILE = "pack.json"
 DTYPE = "float16"
 
 
-def _fingerprint(packed: Path) -> str:
-    """A short hash of the packed model's spec and file sizes: a new pack gets a new cache folder."""
+def _fingerprint(packed: Path, base: Path) -> str:
+    """A short hash of every file the assembled model is made of (its own and the shared ones in `base`),
+    so that new weights, even of the same size, get a new cache folder (21 MB: about 0.1 s)."""
     h = hashlib.sha256()
-    for path in sorted(p for p in packed.iterdir() if p.is_file()):
-        h.update(path.name.encode() + path.read_bytes() if path.suffix == ".json" else f"{path.name}:{path.stat().st_size}".encode())
-    return h.hexdigest()[:12]
+    for path in sorted({p for d in (packed, base) for p in d.iterdir() if p.is_file()}):
+        h.update(f"{path.parent.name}/{path.name}\0".encode() + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def folder(name: str, cache: Path, *, shipped: Path = SHIPPED) -> Path:
@@ -50,7 +51,7 @@ def folder(name: str, cache: Path, *, shipped: Path = SHIPPED) -> Path:
     if not (packed / model_folder.SPEC_FILE).is_file():
         raise SdxError(f"the default model {name!r} is not in this installation ({packed} is missing); "
                        "train it with `make default-models`")
-    out = cache / f"{name}-{_fingerprint(packed)}"
+    out = cache / f"{name}-{_fingerprint(packed, shipped / BASE)}"
     if model_folder.is_model_folder(out):
         return out
     spec = model_folder.read_spec(packed)
