@@ -13,8 +13,8 @@ set -euo pipefail
 WORK=${1:-work/default-models}
 PY=${PYTHON:-python}
 VAE_STEPS=${VAE_STEPS:-1500}
-T2I_STEPS=${T2I_STEPS:-1800}
-EDIT_STEPS=${EDIT_STEPS:-300}
+T2I_STEPS=${T2I_STEPS:-5000}
+EDIT_STEPS=${EDIT_STEPS:-1000}
 mkdir -p "$WORK"
 start=$(date +%s)
 stage() { echo "== $1 ($(( $(date +%s) - start )) s so far)" >&2; }
@@ -36,8 +36,8 @@ stage "untrained pipeline"
 
 stage "text-to-image"
 [ -f "$WORK/t2i/sdx.json" ] || $PY -m train.text_to_image --pretrained_model_name_or_path "$WORK/init" \
-    --dataset_name "$WORK/captions" --resolution 64 --center_crop --train_batch_size 16 \
-    --max_train_steps "$T2I_STEPS" --learning_rate 5e-4 --lr_scheduler cosine --lr_warmup_steps 100 \
+    --dataset_name "$WORK/captions" --resolution 64 --center_crop --cache_latents --train_batch_size 16 \
+    --max_train_steps "$T2I_STEPS" --learning_rate 1e-3 --lr_scheduler cosine --lr_warmup_steps 200 \
     --snr_gamma 5 --proportion_empty_prompts 0.1 \
     --use_ema --ema_use_warmup --ema_power 0.75 \
     --validation_prompt "a red circle on a blue background" --validation_steps 500 \
@@ -45,9 +45,9 @@ stage "text-to-image"
 
 stage "InstructPix2Pix"
 [ -f "$WORK/edit/sdx.json" ] || $PY -m train.pix2pix --pretrained_model_name_or_path "$WORK/t2i" \
-    --dataset_name "$WORK/edits" --resolution 64 --train_batch_size 16 \
-    --max_train_steps "$EDIT_STEPS" --learning_rate 3e-4 --lr_scheduler cosine --lr_warmup_steps 100 \
-    --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
+    --dataset_name "$WORK/edits" --max_train_samples 8000 --resolution 64 --cache_latents \
+    --train_batch_size 16 --max_train_steps "$EDIT_STEPS" --learning_rate 5e-4 --lr_scheduler cosine \
+    --lr_warmup_steps 100 --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
     --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/edit" $(resume "$WORK/edit")
 
 stage "pack"
