@@ -63,10 +63,9 @@ def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup):
     assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all()
 
 
-
 def _mesh_run(model, data, out: Path, *, resume: bool, processes: int = 1):
     """tests/mesh_train_child.py in `processes` processes of 4 / `processes` fake CPU devices each (the
-    test process has one device), joined as one JAX job when there are several; returns their output."""
+    test process has one device), joined as one JAX job when there are several."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={4 // processes}"}
     if processes > 1:
         with socket.socket() as sock:
@@ -81,7 +80,6 @@ def _mesh_run(model, data, out: Path, *, resume: bool, processes: int = 1):
     logs = [p.communicate(timeout=900)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
-    return logs
 
 
 @pytest.fixture(scope="module")

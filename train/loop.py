@@ -149,8 +149,9 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     it = iter(loader)
     first = next(it)
     compiled = steplib.compile_step(
-        state, meshlib.global_batch_shapes(task.batch_shapes(first)), seed_key, mesh, loss_fn=task.loss_fn(graphdef), tx=tx,
-        accumulation=cfg.gradient_accumulation_steps, ema=ema, learning_rate=lr_schedule,
+        state, meshlib.global_batch_shapes(task.batch_shapes(first)), seed_key, mesh,
+        loss_fn=task.loss_fn(graphdef), tx=tx, accumulation=cfg.gradient_accumulation_steps, ema=ema,
+        learning_rate=lr_schedule,
     )
     tb = (out / cfg.logging_dir) if cfg.report_to == "tensorboard" else None
     metrics = Metrics(out, total_steps=sched.total, start_step=start, tensorboard_dir=tb)

@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from sdx import io
 from sdx.errors import ArgumentParser, SdxError, run_command
 from train.shapes import COLOURS, EDIT_KINDS, PALETTE, SHAPES, Scene
 
@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_reports(text, edits))
         if args.json:
             try:
-                Path(args.json).write_text(json.dumps(to_json(text, edits), indent=2) + "\n")
+                io.atomic_write_json(args.json, to_json(text, edits))
             except OSError as e:
                 raise SdxError(f"--json {args.json}: {e.strerror or e}") from None
 
