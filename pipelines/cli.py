@@ -22,14 +22,13 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from sdx.errors import ArgumentParser, SdxError, run_command
-
-
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -166,6 +165,54 @@ def output_paths(output: str, count: int, seed: int, overwrite: bool) -> list[Pa
     return paths
 
 
+def writable(path: Path, flag: str) -> None:
+    """Refuse an output location that cannot be written, before the work that would fill it: the nearest
+    existing folder on its way must take a new file (probed with an unnamed temporary file)."""
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise SdxError(f"{flag} {path}: {folder} is a file, not a folder; choose another {flag}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise SdxError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[Path], Path | None, np.ndarray | None]:
+    """Refuse bad values before anything heavy (loading, converting, compiling, sampling) runs; returns the
+    output paths, the grid path and the --latents array."""
+    for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SdxError(f"--{flag.replace('_', '-')} {value} must be a positive integer")
+    if args.strength is not None and not 0.0 <= args.strength <= 1.0:
+        raise SdxError(f"--strength {args.strength} must be in [0, 1] (the share of the steps that run)")
+    if args.refiner and not 0.0 < args.high_noise_frac < 1.0:
+        raise SdxError(f"--high-noise-frac {args.high_noise_frac} must be strictly between 0 and 1")
+    if args.clip_skip is not None and args.clip_skip < 0:
+        raise SdxError(f"--clip-skip {args.clip_skip} must be >= 0")
+    if args.image:
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            Image.open(args.image).close()  # reads the header only
+        except (OSError, UnidentifiedImageError) as e:
+            raise SdxError(f"--image {args.image}: cannot read the image ({e})") from None
+    if args.config and not Path(args.config).is_dir():
+        raise SdxError(f"--config {args.config}: not a folder")
+    latents = load_latents(args.latents) if args.latents else None
+    count = len(args.prompt) * args.num_images
+    paths = output_paths(args.output, count, args.seed, args.overwrite)
+    grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
+    writable(paths[0].parent, "--output")
+    if grid_path is not None:
+        writable(grid_path.parent, "--grid")
+    if args.cache:
+        writable(Path(args.cache), "--cache")
+    return paths, grid_path, latents
+
+
 def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
     """Atomically write an 8-bit PNG carrying `params` as JSON (`sdx`) and A1111-style text (`parameters`)."""
     from PIL import Image
@@ -191,10 +238,11 @@ def run(args: argparse.Namespace) -> list[Path]:
     from convert.library import default_cache_dir
     from convert.sources import ModelOptions
     from pipelines.pipeline import Pipeline, refine, to_uint8
-    from pipelines.request import Request, per_prompt
+    from pipelines.request import Request, per_prompt, validate
     from pipelines.sampler import enable_compilation_cache
     from sdx import mesh as meshlib
 
+    paths, grid_path, latents = check_args(args)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if not args.no_compilation_cache:
@@ -218,7 +266,8 @@ def run(args: argparse.Namespace) -> list[Path]:
     if image is not None:
         height, width = image.shape[1:3]
     else:
-        height, width = args.height or pipe.default_size, args.width or pipe.default_size
+        height = args.height if args.height is not None else pipe.default_size
+        width = args.width if args.width is not None else pipe.default_size
     xl = pipe.family.xl
     request = Request(
         prompts=args.prompt, prompts_2=args.prompt_2, negative_prompts=args.negative_prompt,
@@ -227,13 +276,12 @@ def run(args: argparse.Namespace) -> list[Path]:
         guidance_scale=args.guidance_scale if args.guidance_scale is not None else (5.0 if xl else 7.5),
         image_guidance_scale=args.image_guidance_scale, guidance_rescale=args.guidance_rescale,
         strength=args.strength if args.strength is not None else (0.3 if xl else 0.8),
-        image=image, latents=load_latents(args.latents) if args.latents else None,
+        image=image, latents=latents,
         original_size=args.original_size, target_size=args.target_size, crops_coords_top_left=args.crops_top_left,
         aesthetic_score=args.aesthetic_score, negative_aesthetic_score=args.negative_aesthetic_score,
         clip_skip=args.clip_skip, long_prompt=args.long_prompt,
     )
-    paths = output_paths(args.output, request.num_images, args.seed, args.overwrite)
-    grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
+    validate(request, pipe.family, pipe.factor, pipe.multiple)  # before the progress bar opens
 
     compile_seconds = []
     for p in filter(None, (pipe, refiner)):

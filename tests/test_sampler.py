@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from PIL import Image
 
 from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
@@ -179,6 +180,60 @@ def test_bad_input_is_one_line_and_exit_2(tiny_xl, tmp_path, capsys, args, expec
     message = cli_error(capsys, "--model", str(tiny_xl), "--prompt", "x", "--quiet", "--cache", str(tmp_path),
                         "--output", str(tmp_path / "out"), *args)
     assert expected in message
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--height", "0"], "--height 0 must be a positive integer"),
+        (["--width", "-64"], "--width -64 must be a positive integer"),
+        (["--steps", "-1"], "--steps -1 must be a positive integer"),
+        (["--num-images", "0"], "--num-images 0 must be"),
+        (["--batch-size", "0"], "--batch-size 0 must be"),
+        (["--fsdp", "0"], "--fsdp 0 must be"),
+        (["--strength", "1.5", "--image", "PICTURE"], "--strength 1.5 must be in [0, 1]"),
+        (["--refiner", "tiny_xl", "--high-noise-frac", "1"], "strictly between 0 and 1"),
+        (["--clip-skip", "-1"], "--clip-skip -1 must be >= 0"),
+        (["--image", "NOT_AN_IMAGE"], "cannot read the image"),
+        (["--config", "/nonexistent/config"], "not a folder"),
+        (["--output", "/proc/sdx-out/image.png"], "cannot write in /proc"),
+        (["--output", "/proc/sdx-out"], "cannot write in /proc"),
+        (["--output", "NOT_AN_IMAGE/x.png"], "is a file, not a folder"),
+        (["--grid", "/proc/grid.png"], "cannot write in /proc"),
+        (["--cache", "/proc/sdx-cache"], "cannot write in /proc"),
+        (["--output", "EXISTING"], "exists; pass --overwrite"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_work_and_nothing_is_written(tmp_path, capsys, monkeypatch, args, expected):
+    """Checked before a model is resolved (which would load, convert or assemble one): one line, exit 2, no
+    progress output, and an existing output left byte for byte."""
+    import pipelines.cli
+
+    monkeypatch.setattr(pipelines.cli, "resolve_model", lambda *a, **k: pytest.fail("a model was resolved"))
+    Image.new("RGB", (64, 64)).save(tmp_path / "image.png")
+    (tmp_path / "text.png").write_text("not an image")
+    existing = tmp_path / "existing.png"
+    existing.write_bytes(b"the user's picture")
+    files = {"NOT_AN_IMAGE": tmp_path / "text.png", "PICTURE": tmp_path / "image.png", "EXISTING": existing}
+    for name, path in files.items():
+        args = [a.replace(name, str(path)) for a in args]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    argv = ["--prompt", "x", "--output", str(tmp_path / "out"), *args]
+    if "--cache" not in args:
+        argv += ["--cache", str(tmp_path / "cache")]
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert existing.read_bytes() == b"the user's picture"
+
+
+def test_model_checks_come_before_the_progress_bar(tiny_xl, tmp_path, capsys):
+    """A size the model cannot take is found after loading it, but before any progress output."""
+    assert main(["--model", str(tiny_xl), "--prompt", "x", "--height", "63", "--cache", str(tmp_path),
+                 "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "denoising" not in err and err.strip().splitlines()[-1].startswith("error: --height 63"), err
 
 
 def test_missing_model_is_one_line(tmp_path, capsys):
