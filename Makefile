@@ -48,7 +48,7 @@ default-models: venv-train
 	PYTHON=$(BIN)/python bash train/recipe.sh
 
 test: venv-test
-	$(BIN)/python -m pytest -n 2 --dist loadgroup -q tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

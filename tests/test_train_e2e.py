@@ -82,33 +82,23 @@ def _mesh_run(model, data, out: Path, *, resume: bool, processes: int = 1):
         assert p.returncode == 0, log[-4000:]
 
 
-@pytest.fixture(scope="module")
-def mesh_run(setup):
-    root, model = setup
-    _mesh_run(model, root / "ds", root / "mesh", resume=True)
-    return root / "mesh"
-
-
-@pytest.mark.xdist_group("mesh")
-def test_resume_on_a_mesh_is_exact(mesh_run):
+def test_a_mesh_resumes_exactly_and_two_hosts_train_as_one(setup):
     """4 devices as data 2 x fsdp 2, the UNet, Adam moments and EMA split over fsdp: 4 steps straight and
-    2 + a resume to 4 write the same bytes."""
-    assert (mesh_run / "a" / "unet.safetensors").read_bytes() == (mesh_run / "b" / "unet.safetensors").read_bytes()
-
-
-@pytest.mark.xdist_group("mesh")
-def test_two_hosts_train_as_one(setup, mesh_run):
-    """The same 4 steps as two processes of 2 devices each (per-host data shards, parameters split across
-    hosts, gradients reduced over gloo): the same losses and gradient norms at every step as one process
-    of 4, and the same weights up to float32 summation order (AdamW turns a gradient that is ~0 up to
-    rounding into a full-size step: the bound is a fifth of one step's largest update, lr 1e-4)."""
+    2 + a resume to 4 write the same bytes. The same 4 steps as two processes of 2 devices each (per-host
+    data shards, parameters split across hosts, gradients reduced over gloo): the same losses and gradient
+    norms at every step as one process of 4, and the same weights up to float32 summation order (AdamW
+    turns a gradient that is ~0 up to rounding into a full-size step: the bound is a fifth of one step's
+    largest update, lr 1e-4). (One test: the two-host run is checked against the one-host run.)"""
     root, model = setup
-    _mesh_run(model, root / "ds", root / "hosts", resume=False, processes=2)
-    one, two = ([json.loads(line) for line in (d / "a" / "metrics.jsonl").read_text().splitlines()]
-                for d in (mesh_run, root / "hosts"))
-    assert [r["step"] for r in two] == [1, 2, 3, 4]
+    one, two = root / "mesh", root / "hosts"
+    _mesh_run(model, root / "ds", one, resume=True)
+    assert (one / "a" / "unet.safetensors").read_bytes() == (one / "b" / "unet.safetensors").read_bytes()
+
+    _mesh_run(model, root / "ds", two, resume=False, processes=2)
+    metrics = [[json.loads(line) for line in (d / "a" / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
+    assert [r["step"] for r in metrics[1]] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([r[key] for r in two], [r[key] for r in one], rtol=2e-6)
-    a, b = (load_file(d / "a" / "unet.safetensors") for d in (mesh_run, root / "hosts"))
+        np.testing.assert_allclose([r[key] for r in metrics[1]], [r[key] for r in metrics[0]], rtol=2e-6)
+    a, b = (load_file(d / "a" / "unet.safetensors") for d in (one, two))
     assert a.keys() == b.keys()
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 2e-5
