@@ -14,7 +14,7 @@ WORK=${1:-work/default-models}
 PY=${PYTHON:-python}
 VAE_STEPS=${VAE_STEPS:-1500}
 T2I_STEPS=${T2I_STEPS:-5000}
-EDIT_STEPS=${EDIT_STEPS:-1000}
+EDIT_STEPS=${EDIT_STEPS:-2000}
 mkdir -p "$WORK"
 start=$(date +%s)
 stage() { echo "== $1 ($(( $(date +%s) - start )) s so far)" >&2; }
@@ -44,9 +44,11 @@ stage "text-to-image"
     --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/t2i" $(resume "$WORK/t2i")
 
 stage "InstructPix2Pix"
+# No --snr_gamma here: under zero terminal SNR it gives the high-noise steps almost no weight, and those
+# are where the model learns to copy the input picture's layout (README, "How well they work").
 [ -f "$WORK/edit/sdx.json" ] || $PY -m train.pix2pix --pretrained_model_name_or_path "$WORK/t2i" \
-    --dataset_name "$WORK/edits" --max_train_samples 8000 --resolution 64 --cache_latents \
-    --train_batch_size 16 --max_train_steps "$EDIT_STEPS" --learning_rate 5e-4 --lr_scheduler cosine \
+    --dataset_name "$WORK/edits" --max_train_samples 16000 --resolution 64 --cache_latents \
+    --train_batch_size 16 --max_train_steps "$EDIT_STEPS" --learning_rate 1e-3 --lr_scheduler cosine \
     --lr_warmup_steps 100 --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
     --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/edit" $(resume "$WORK/edit")
 
