@@ -25,10 +25,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from sdx.errors import ArgumentParser, SdxError, run_command
+
+if TYPE_CHECKING:
+    import PIL.Image
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -124,22 +128,29 @@ def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None, vari
                              options=options, log=log)
 
 
-def load_image(path: str, size: tuple[int, int] | None, multiple: int) -> np.ndarray:
-    """(1, H, W, 3) float32 in [-1, 1]. Resized (Lanczos) to `size` when given, else cropped down to a multiple."""
+def read_image(path: str) -> PIL.Image.Image:
+    """The --image file, decoded in full to an RGB PIL image (before any model is loaded)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as im:
-            im = im.convert("RGB")
-            if size is None:
-                size = (im.height // multiple * multiple, im.width // multiple * multiple)
-                if min(size) == 0:
-                    raise SdxError(f"--image {path}: {im.width}x{im.height} is smaller than {multiple} pixels")
-            if (im.height, im.width) != size:
-                im = im.resize((size[1], size[0]), Image.LANCZOS)
-            arr = np.asarray(im, dtype=np.float32) / 255.0
+            return im.convert("RGB")
     except (OSError, UnidentifiedImageError) as e:
         raise SdxError(f"--image {path}: cannot read the image ({e})") from None
+
+
+def fit_image(im: PIL.Image.Image, path: str, size: tuple[int, int] | None, multiple: int) -> np.ndarray:
+    """(1, H, W, 3) float32 in [-1, 1] from RGB image `im` (read from `path`). Resized (Lanczos) to `size`
+    when given, else down to a multiple of `multiple`."""
+    from PIL import Image
+
+    if size is None:
+        size = (im.height // multiple * multiple, im.width // multiple * multiple)
+        if min(size) == 0:
+            raise SdxError(f"--image {path}: {im.width}x{im.height} is smaller than {multiple} pixels")
+    if (im.height, im.width) != size:
+        im = im.resize((size[1], size[0]), Image.LANCZOS)
+    arr = np.asarray(im, dtype=np.float32) / 255.0
     return (arr * 2.0 - 1.0)[None]
 
 
@@ -179,9 +190,9 @@ def writable(path: Path, flag: str) -> None:
         raise SdxError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None
 
 
-def check_args(args: argparse.Namespace) -> tuple[list[Path], Path | None, np.ndarray | None]:
+def check_args(args: argparse.Namespace) -> tuple[list[Path], Path | None, np.ndarray | None, PIL.Image.Image | None]:
     """Refuse bad values before anything heavy (loading, converting, compiling, sampling) runs; returns the
-    output paths, the grid path and the --latents array."""
+    output paths, the grid path, the --latents array and the --image picture (`read_image`), as read here."""
     for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -192,13 +203,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[Path], Path | None, np.nd
         raise SdxError(f"--high-noise-frac {args.high_noise_frac} must be strictly between 0 and 1")
     if args.clip_skip is not None and args.clip_skip < 0:
         raise SdxError(f"--clip-skip {args.clip_skip} must be >= 0")
-    if args.image:
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            Image.open(args.image).close()  # reads the header only
-        except (OSError, UnidentifiedImageError) as e:
-            raise SdxError(f"--image {args.image}: cannot read the image ({e})") from None
+    picture = read_image(args.image) if args.image else None
     if args.config and not Path(args.config).is_dir():
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
@@ -210,7 +215,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[Path], Path | None, np.nd
         writable(grid_path.parent, "--grid")
     if args.cache:
         writable(Path(args.cache), "--cache")
-    return paths, grid_path, latents
+    return paths, grid_path, latents, picture
 
 
 def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
@@ -242,7 +247,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     from pipelines.sampler import enable_compilation_cache
     from sdx import mesh as meshlib
 
-    paths, grid_path, latents = check_args(args)
+    paths, grid_path, latents, picture = check_args(args)
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if not args.no_compilation_cache:
@@ -262,7 +267,7 @@ def run(args: argparse.Namespace) -> list[Path]:
         refiner = Pipeline.load(ref_folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.refiner)
 
     size = (args.height, args.width) if args.height and args.width else None
-    image = load_image(args.image, size, pipe.multiple) if args.image else None
+    image = fit_image(picture, args.image, size, pipe.multiple) if picture is not None else None
     if image is not None:
         height, width = image.shape[1:3]
     else:

@@ -195,6 +195,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_xl, tmp_path, capsys, args, expec
         (["--refiner", "tiny_xl", "--high-noise-frac", "1"], "strictly between 0 and 1"),
         (["--clip-skip", "-1"], "--clip-skip -1 must be >= 0"),
         (["--image", "NOT_AN_IMAGE"], "cannot read the image"),
+        (["--image", "TRUNCATED"], "cannot read the image"),  # decoded in full up front, not only its header
         (["--config", "/nonexistent/config"], "not a folder"),
         (["--output", "/proc/sdx-out/image.png"], "cannot write in /proc"),
         (["--output", "/proc/sdx-out"], "cannot write in /proc"),
@@ -212,9 +213,11 @@ def test_bad_flags_are_refused_before_any_work_and_nothing_is_written(tmp_path, 
     monkeypatch.setattr(pipelines.cli, "resolve_model", lambda *a, **k: pytest.fail("a model was resolved"))
     Image.new("RGB", (64, 64)).save(tmp_path / "image.png")
     (tmp_path / "text.png").write_text("not an image")
+    (tmp_path / "cut.png").write_bytes((tmp_path / "image.png").read_bytes()[:-40])
     existing = tmp_path / "existing.png"
     existing.write_bytes(b"the user's picture")
-    files = {"NOT_AN_IMAGE": tmp_path / "text.png", "PICTURE": tmp_path / "image.png", "EXISTING": existing}
+    files = {"NOT_AN_IMAGE": tmp_path / "text.png", "TRUNCATED": tmp_path / "cut.png", "PICTURE": tmp_path / "image.png",
+             "EXISTING": existing}
     for name, path in files.items():
         args = [a.replace(name, str(path)) for a in args]
     before = sorted(p.name for p in tmp_path.iterdir())
