@@ -8,6 +8,11 @@ A random-weight diffusers folder is built for the preset (no download: the archi
 `--repeats` timed generations. Printed: the first call's extra seconds (sdx: the ahead-of-time compile), seconds per image, images per second, peak
 memory, and sdx's ratio to diffusers. diffusers runs when torch and diffusers are installed.
 Peak memory is the accelerator's peak allocation on GPU/TPU and the process's peak RSS on the CPU.
+
+`--end-to-end N` measures what a user waits for instead: the wall time of a fresh process making one
+image, `python -m sdx.sample` (its compilation cache warmed by one untimed run first) against a
+diffusers script doing the same job (load, generate, write the PNG), alternated N times; the medians
+are printed.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def run_sdx(args) -> dict:
     folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
     pipe = Pipeline.load(folder, dtype=args.dtype, attention=args.attention)
     noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
-    request = Request(prompts=["a photograph of an astronaut riding a horse"] * args.batch, height=args.size, width=args.size,
+    request = Request(prompts=[PROMPT] * args.batch, height=args.size, width=args.size,
                       steps=args.steps, latents=noise.astype(np.float32), guidance_scale=7.0)
     t0 = time.perf_counter()
     pipe(request)
@@ -129,7 +134,7 @@ def run_diffusers(args) -> dict:
     f = pipe.vae_scale_factor
     noise = np.random.default_rng(0).standard_normal((args.batch, pipe.vae.config.latent_channels, args.size // f, args.size // f))
     latents = torch.tensor(noise, dtype=dtype, device=pipe.device)
-    call = lambda: pipe(["a photograph of an astronaut riding a horse"] * args.batch, height=args.size, width=args.size,
+    call = lambda: pipe([PROMPT] * args.batch, height=args.size, width=args.size,
                         num_inference_steps=args.steps, latents=latents, guidance_scale=7.0, output_type="np")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.inference_mode():
@@ -150,6 +155,60 @@ def run_diffusers(args) -> dict:
     }
 
 
+def end_to_end_diffusers(args) -> dict:
+    """The diffusers side of --end-to-end: what a short user script does, timed by the caller."""
+    from PIL import Image
+
+    import diffusers
+    import numpy as np
+    import torch
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    pipe = diffusers.DiffusionPipeline.from_pretrained(args.folder, torch_dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    latents = torch.tensor(np.load(Path(args.work) / "noise.npy"), dtype=dtype)
+    image = pipe(PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps, latents=latents,
+                 guidance_scale=7.0, output_type="np").images[0]
+    Image.fromarray((image * 255).round().astype(np.uint8)).save(Path(args.work) / "diffusers.png")
+    return {}
+
+
+def end_to_end(args, folder: Path) -> None:
+    import statistics
+
+    import numpy as np
+
+    from convert.library import ensure_sdx_folder
+    from sdx import presets
+
+    work = Path(args.work)
+    sdx_folder = ensure_sdx_folder(str(folder), dtype=args.dtype, cache_dir=work / "sdx")
+    f = 2 ** (len(presets.get(args.preset).configs["vae"]["block_out_channels"]) - 1)
+    shape = (1, presets.get(args.preset).configs["vae"].get("latent_channels", 4), args.size // f, args.size // f)
+    np.save(work / "noise.npy", np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    sdx = [sys.executable, "-m", "sdx.sample", "--model", str(sdx_folder), "--prompt", PROMPT, "--steps", str(args.steps),
+           "--height", str(args.size), "--width", str(args.size), "--guidance-scale", "7.0", "--dtype", args.dtype,
+           "--latents", str(work / "noise.npy"), "--output", str(work / "sdx.png"), "--overwrite", "--quiet",
+           "--cache", str(work / "cache")]
+    reference = [sys.executable, __file__, "--worker", "diffusers-e2e", "--folder", str(folder), *sys.argv[1:]]
+    subprocess.run(sdx, cwd=REPO, check=True)  # fills the compilation cache
+    times = {"sdx": [], "diffusers": []}
+    for _ in range(args.end_to_end):
+        for name, command in (("sdx", sdx), ("diffusers", reference)):
+            t0 = time.perf_counter()
+            subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"# {machine()}; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, 1 image, {args.dtype}, "
+          f"end to end (fresh process each, alternated {args.end_to_end}x, median)")
+    for name, values in times.items():
+        print(f"{name}: median {med[name]:.2f} s ({', '.join(f'{v:.2f}' for v in values)})")
+    print(f"sdx / diffusers: {med['sdx'] / med['diffusers']:.2f}x")
+
+
+PROMPT = "a photograph of an astronaut riding a horse"
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="sd15", help="an sdx preset (sd15, sd21, sdxl_base, tiny, tiny_xl, ...)")
@@ -161,7 +220,8 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "sdx-bench"), help="where models are built")
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
-    p.add_argument("--worker", choices=("sdx", "diffusers"), help=argparse.SUPPRESS)
+    p.add_argument("--end-to-end", type=int, metavar="N", help="time N alternated fresh processes of each instead")
+    p.add_argument("--worker", choices=("sdx", "diffusers", "diffusers-e2e"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -169,9 +229,13 @@ def parse(argv=None):
 def main(argv=None) -> int:
     args = parse(argv)
     if args.worker:
-        print(json.dumps({"sdx": run_sdx, "diffusers": run_diffusers}[args.worker](args)))
+        workers = {"sdx": run_sdx, "diffusers": run_diffusers, "diffusers-e2e": end_to_end_diffusers}
+        print(json.dumps(workers[args.worker](args)))
         return 0
     folder = build_diffusers_folder(args.preset, Path(args.work) / f"diffusers-{args.preset}")
+    if args.end_to_end:
+        end_to_end(args, folder)
+        return 0
     frameworks = ["sdx"] + ([] if args.no_reference else ["diffusers"])
     results = run_workers(__file__, frameworks, argv or sys.argv[1:], extra=("--folder", str(folder)))
     if results is None:

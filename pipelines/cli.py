@@ -18,6 +18,7 @@ entry point, which calls `main` at run time (sdx itself imports nothing above it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -62,7 +63,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vae", metavar="MODEL",
                    help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "
                         "instead of the model's; also for --refiner")
-    p.add_argument("--prompt", nargs="+", required=True, help="one or more prompts")
+    p.add_argument("--prompt", nargs="+", help="one or more prompts")
+    p.add_argument("--prompts-file", metavar="FILE",
+                   help="many generations in one process: a prompt per line, or JSON objects with a \"prompt\" and "
+                        "per-line settings (see pipelines/prompts_file.py); images go to --output/NNNNN.png and a run "
+                        "started again skips those already written")
     p.add_argument("--prompt-2", nargs="+", help="SDXL: prompts for the second text encoder (default: --prompt)")
     p.add_argument("--negative-prompt", nargs="+", help="one, or one per prompt")
     p.add_argument("--negative-prompt-2", nargs="+", help="SDXL: for the second text encoder")
@@ -75,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
     p.add_argument("--num-images", type=int, default=1, help="images per prompt")
-    p.add_argument("--batch-size", type=int, help="images per compiled call (default: all)")
+    p.add_argument("--batch-size", type=int, help="images per compiled call (default: as many as fit in free memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's scheduler_config.json")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -190,9 +195,9 @@ def writable(path: Path, flag: str) -> None:
         raise SdxError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None
 
 
-def check_args(args: argparse.Namespace) -> tuple[list[Path], Path | None, np.ndarray | None, PIL.Image.Image | None]:
-    """Refuse bad values before anything heavy (loading, converting, compiling, sampling) runs; returns the
-    output paths, the grid path, the --latents array and the --image picture (`read_image`), as read here."""
+def check_flags(args: argparse.Namespace) -> tuple[np.ndarray | None, PIL.Image.Image | None]:
+    """Refuse bad values of the flags that say what to generate; returns the --latents array and the
+    --image picture (`read_image`), as read here."""
     for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -207,15 +212,62 @@ def check_args(args: argparse.Namespace) -> tuple[list[Path], Path | None, np.nd
     if args.config and not Path(args.config).is_dir():
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
-    count = len(args.prompt) * args.num_images
-    paths = output_paths(args.output, count, args.seed, args.overwrite)
+    return latents, picture
+
+
+@dataclasses.dataclass
+class Job:
+    """One generation: the flags with its own settings applied, where its images go, what the checks read.
+    done: every image is already written (a --prompts-file run started again)."""
+
+    args: argparse.Namespace
+    paths: list[Path]
+    grid: Path | None = None
+    latents: np.ndarray | None = None
+    picture: PIL.Image.Image | None = None
+    done: bool = False
+
+
+def check_args(args: argparse.Namespace) -> list[Job]:
+    """Refuse bad values before anything heavy (loading, converting, compiling, sampling) runs; returns the
+    generations asked for: one, or one per line of --prompts-file."""
+    if args.cache:
+        writable(Path(args.cache), "--cache")
+    if args.prompts_file is not None:
+        return _prompts_file_jobs(args)
+    if not args.prompt:
+        raise SdxError("give --prompt (one or more prompts) or --prompts-file FILE")
+    latents, picture = check_flags(args)
+    paths = output_paths(args.output, len(args.prompt) * args.num_images, args.seed, args.overwrite)
     grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
     writable(paths[0].parent, "--output")
     if grid_path is not None:
         writable(grid_path.parent, "--grid")
-    if args.cache:
-        writable(Path(args.cache), "--cache")
-    return paths, grid_path, latents, picture
+    return [Job(args, paths, grid_path, latents, picture)]
+
+
+def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
+    from pipelines import prompts_file
+
+    for flag in ("prompt", "grid", "latents"):
+        if getattr(args, flag):
+            raise SdxError(f"--{flag} and --prompts-file do not go together (a line may hold a \"prompt\" and settings)")
+    folder = Path(args.output)
+    if folder.suffix.lower() == ".png":
+        raise SdxError(f"--output {args.output}: with --prompts-file it is the folder the images go to")
+    writable(folder, "--output")
+    jobs = []
+    for index, (where, settings) in enumerate(prompts_file.read(args.prompts_file)):
+        line = argparse.Namespace(**{**vars(args), **settings})
+        try:
+            _, picture = check_flags(line)
+            paths = prompts_file.paths(folder, index, line.num_images)
+            done = [False] if args.overwrite else [prompts_file.written(p, line.prompt[0], line.seed, k)
+                                                  for k, p in enumerate(paths)]
+        except SdxError as e:
+            raise SdxError(f"{where}: {e}") from None
+        jobs.append(Job(line, paths, done=all(done)))  # the picture is read again when its turn comes
+    return jobs
 
 
 def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
@@ -242,98 +294,158 @@ def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
 def run(args: argparse.Namespace) -> list[Path]:
     from convert.library import default_cache_dir
     from convert.sources import ModelOptions
-    from pipelines.pipeline import Pipeline, refine, to_uint8
-    from pipelines.request import Request, per_prompt, validate
+    from pipelines.pipeline import NonFiniteImages
     from pipelines.sampler import enable_compilation_cache
     from sdx import mesh as meshlib
 
-    paths, grid_path, latents, picture = check_args(args)
-    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+    jobs = check_args(args)
+    log = (lambda msg: None) if args.quiet else _log
+    todo = [job for job in jobs if not job.done]
+    if len(todo) < len(jobs):
+        log(f"{len(jobs) - len(todo)} of {len(jobs)} prompts are already written; generating the other {len(todo)}")
+    if not todo:
+        return []
     cache = Path(args.cache) if args.cache else default_cache_dir()
     if not args.no_compilation_cache:
         enable_compilation_cache(cache / "jax")
     meshlib.initialize()
     mesh = meshlib.make_mesh(args.fsdp)
     options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
-    args.model = args.model or ("default-edit" if args.image else "default")
-    folder = resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options)
-    pipe = Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.model)
-    refiner = None
-    if args.refiner:
-        if not pipe.family.xl or pipe.family.pix2pix:
-            raise SdxError("--refiner follows an SDXL base model; this model is not one")
-        ref_folder = resolve_model(args.refiner, dtype=args.dtype, cache=cache, log=log,
-                                   options=ModelOptions(vae=args.vae))
-        refiner = Pipeline.load(ref_folder, dtype=args.dtype, scheduler=args.scheduler, attention=args.attention, mesh=mesh, name=args.refiner)
-
-    size = (args.height, args.width) if args.height and args.width else None
-    image = fit_image(picture, args.image, size, pipe.multiple) if picture is not None else None
-    if image is not None:
-        height, width = image.shape[1:3]
-    else:
-        height = args.height if args.height is not None else pipe.default_size
-        width = args.width if args.width is not None else pipe.default_size
-    xl = pipe.family.xl
-    request = Request(
-        prompts=args.prompt, prompts_2=args.prompt_2, negative_prompts=args.negative_prompt,
-        negative_prompts_2=args.negative_prompt_2, height=height, width=width, steps=args.steps,
-        num_images_per_prompt=args.num_images, batch_size=args.batch_size, seed=args.seed,
-        guidance_scale=args.guidance_scale if args.guidance_scale is not None else (5.0 if xl else 7.5),
-        image_guidance_scale=args.image_guidance_scale, guidance_rescale=args.guidance_rescale,
-        strength=args.strength if args.strength is not None else (0.3 if xl else 0.8),
-        image=image, latents=latents,
-        original_size=args.original_size, target_size=args.target_size, crops_coords_top_left=args.crops_top_left,
-        aesthetic_score=args.aesthetic_score, negative_aesthetic_score=args.negative_aesthetic_score,
-        clip_skip=args.clip_skip, long_prompt=args.long_prompt,
-    )
-    validate(request, pipe.family, pipe.factor, pipe.multiple)  # before the progress bar opens
+    args.model = args.model or ("default-edit" if args.image or any(job.args.image for job in jobs) else "default")
+    pipes = _load(args, resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options), mesh, cache, log)
+    for job in todo:  # every request is checked against the model before the progress bar opens
+        job.args.model = args.model
+        _request(job, pipes[0])
 
     compile_seconds = []
-    for p in filter(None, (pipe, refiner)):
-        p.sampler.compile_log = lambda plan, s: (compile_seconds.append(s), log(f"compiled in {s:.1f} s"))
+    for p in pipes:
+        p.sampler.compile_log = lambda plan, s: (compile_seconds.append(s),
+                                                 log(f"compiled in {s:.1f} s ({plan.batch} image(s) per call)"))
+    count = sum(len(job.paths) for job in todo)
     bar = None
-    if not args.quiet:
+    if not args.quiet:  # a prompts file's progress is counted in images, one generation's in model calls
         from tqdm import tqdm
 
-        bar = tqdm(desc="denoising", unit="step", total=0, file=sys.stderr)
-    t0 = time.perf_counter()
-    if refiner is not None:
-        images = refine(pipe, refiner, request, args.high_noise_frac, bar)
-    else:
-        images = pipe(request, bar)
+        bar = tqdm(desc="images" if args.prompts_file else "denoising", unit="image" if args.prompts_file else "step",
+                   total=count if args.prompts_file else 0, file=sys.stderr)
+    steps_bar = None if args.prompts_file else bar
+    t0, written, failed = time.perf_counter(), [], []
+    for job in todo:
+        try:
+            written += _generate(job, pipes, steps_bar, log)
+        except NonFiniteImages as e:  # the other prompts still run
+            failed.append(f"{job.paths[0].name}: {e}" if args.prompts_file else str(e))
+        if bar is not None and args.prompts_file:
+            bar.update(len(job.paths))
     elapsed = time.perf_counter() - t0
     if bar is not None:
         bar.close()
     sampling = elapsed - sum(compile_seconds)
-    log(f"{len(images)} image(s) in {sampling:.2f} s sampling + {sum(compile_seconds):.1f} s compiling")
+    log(f"{count} image(s) in {sampling:.2f} s sampling ({count / max(sampling, 1e-9):.2f} images/s) "
+        f"+ {sum(compile_seconds):.1f} s compiling")
+    if failed:
+        raise SdxError("; ".join(failed))
+    return written
 
+
+def _log(msg: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(msg, file=sys.stderr)  # above an open progress bar, not glued to it
+
+
+def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> list:
+    """[the pipeline] or [the SDXL base, the refiner]."""
+    from convert.sources import ModelOptions
+    from pipelines.pipeline import Pipeline
+
+    load = lambda folder, name: Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler,
+                                              attention=args.attention, mesh=mesh, name=name)
+    pipe = load(folder, args.model)
+    if not args.refiner:
+        return [pipe]
+    if not pipe.family.xl or pipe.family.pix2pix:
+        raise SdxError("--refiner follows an SDXL base model; this model is not one")
+    ref_folder = resolve_model(args.refiner, dtype=args.dtype, cache=cache, log=log, options=ModelOptions(vae=args.vae))
+    return [pipe, load(ref_folder, args.refiner)]
+
+
+def _request(job: Job, pipe):
+    """The job's `Request`, checked against the model (the --image is read again for a prompts-file line)."""
+    from pipelines.request import Request, validate
+
+    a = job.args
+    picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
+    size = (a.height, a.width) if a.height and a.width else None
+    image = fit_image(picture, a.image, size, pipe.multiple) if picture is not None else None
+    if image is not None:
+        height, width = image.shape[1:3]
+    else:
+        height = a.height if a.height is not None else pipe.default_size
+        width = a.width if a.width is not None else pipe.default_size
+    xl = pipe.family.xl
+    request = Request(
+        prompts=a.prompt, prompts_2=a.prompt_2, negative_prompts=a.negative_prompt,
+        negative_prompts_2=a.negative_prompt_2, height=height, width=width, steps=a.steps,
+        num_images_per_prompt=a.num_images, batch_size=a.batch_size, seed=a.seed,
+        guidance_scale=a.guidance_scale if a.guidance_scale is not None else (5.0 if xl else 7.5),
+        image_guidance_scale=a.image_guidance_scale, guidance_rescale=a.guidance_rescale,
+        strength=a.strength if a.strength is not None else (0.3 if xl else 0.8),
+        image=image, latents=job.latents,
+        original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
+        aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
+        clip_skip=a.clip_skip, long_prompt=a.long_prompt,
+    )
+    validate(request, pipe.family, pipe.factor, pipe.multiple)
+    return request
+
+
+def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
+    """Generate the job's images and write them (and its grid); returns the paths written. Images that came
+    out non-finite are not written: after writing the others, their error is raised."""
+    from pipelines.pipeline import NonFiniteImages, refine, to_uint8
+    from pipelines.request import per_prompt
+
+    a, pipe = job.args, pipes[0]
+    request = _request(job, pipe)
+    bad = None
+    try:
+        images = refine(pipe, pipes[1], request, a.high_noise_frac, bar) if len(pipes) > 1 else pipe(request, bar)
+    except NonFiniteImages as e:
+        images, bad = np.nan_to_num(e.images), e
     pixels = to_uint8(images)
-    scheduler_name = args.scheduler or type(pipe.scheduler).__name__
-    negatives = per_prompt(args.negative_prompt, len(args.prompt), "--negative-prompt")
-    for i, path in enumerate(paths):
-        prompt_index = i // args.num_images  # images are grouped by prompt
+    scheduler_name = a.scheduler or type(pipe.scheduler).__name__
+    negatives = per_prompt(a.negative_prompt, len(a.prompt), "--negative-prompt")
+    written = []
+    for i, path in enumerate(job.paths):
+        if bad is not None and i in bad.bad:
+            continue
+        prompt_index = i // a.num_images  # images are grouped by prompt
         params = {
             "prompt": request.prompts[prompt_index],
             "negative_prompt": negatives[prompt_index] if negatives else None,
-            "seed": args.seed, "image_index": i, "steps": args.steps, "scheduler": scheduler_name,
+            "seed": a.seed, "image_index": i, "steps": a.steps, "scheduler": scheduler_name,
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
-            "size": f"{width}x{height}", "model": args.model, "dtype": args.dtype,
+            "size": f"{request.width}x{request.height}", "model": a.model, "dtype": a.dtype,
         }
         for key in ("prompt_2", "negative_prompt_2", "image", "refiner", "latents", "clip_skip", "lora", "vae"):
-            if getattr(args, key, None):
-                params[key] = getattr(args, key)
-        if args.image and pipe.family.pix2pix:
+            if getattr(a, key, None):
+                params[key] = getattr(a, key)
+        if a.image and pipe.family.pix2pix:
             params["image_guidance_scale"] = request.image_guidance_scale
-        elif args.image:
+        elif a.image:
             params["strength"] = request.strength
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
-    if grid_path is not None:
-        columns = args.num_images if args.num_images > 1 else math.ceil(len(pixels) / math.isqrt(len(pixels)))
-        save_png(grid_path, grid(pixels, columns), {**params, "prompt": " | ".join(request.prompts), "grid": columns})
-        log(f"wrote {grid_path}")
-        paths.append(grid_path)
-    return paths
+        written.append(path)
+    if bad is not None:
+        raise bad
+    if job.grid is not None:
+        columns = a.num_images if a.num_images > 1 else math.ceil(len(pixels) / math.isqrt(len(pixels)))
+        save_png(job.grid, grid(pixels, columns), {**params, "prompt": " | ".join(request.prompts), "grid": columns})
+        log(f"wrote {job.grid}")
+        written.append(job.grid)
+    return written
 
 
 def grid(images: np.ndarray, columns: int) -> np.ndarray:

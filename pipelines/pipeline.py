@@ -21,7 +21,19 @@ from pipelines.request import Request, batches, validate
 from pipelines.sampler import Sampler
 from sdx import mesh as meshlib
 from sdx import model_folder, schedulers
+from sdx.errors import SdxError
 from sdx.layers import Compute
+
+
+class NonFiniteImages(SdxError):
+    """Some images came out with NaN or inf values. images: all of them, as the call would have returned
+    them; bad: {image index: what went wrong}."""
+
+    def __init__(self, images: np.ndarray, bad: dict[int, str]):
+        self.images, self.bad = images, bad
+        super().__init__("; ".join(f"image {i}: {why}" for i, why in bad.items())
+                         + ". The weights may overflow in this dtype (try --dtype float32) or a LoRA scale may be "
+                           "too large; nothing was written for these images")
 
 
 @dataclasses.dataclass
@@ -97,16 +109,49 @@ class Pipeline:
         progress: a tqdm-like bar (`total`, `update(n)`); its total grows by this request's model calls.
         """
         validate(request, self.family, self.factor, self.multiple)
-        devices = self.sampler.mesh.devices.size
-        work = batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
-                       devices=devices)
+        if request.batch_size is None:
+            request = dataclasses.replace(request, batch_size=self.fitting_batch(request))
+        work = self._work(request)
         if progress is not None:
             progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
             progress.refresh()
         report = None if progress is None else progress.update
-        outs = [meshlib.to_host(self.sampler(plan, inputs, report))[:real] for plan, inputs, real in work]
+        outs, bad = [], {}
+        for plan, inputs, real in work:
+            sampled, first = self.sampler(plan, inputs, report), sum(map(len, outs))
+            for j in range(real):
+                i = first + j
+                if sampled.bad_step[j]:
+                    bad[i] = f"the latents became NaN or inf at step {sampled.bad_step[j]} of {plan.steps}"
+                elif sampled.bad_decode[j]:
+                    bad[i] = "the VAE decoded its finite latents to NaN or inf (in float32 too)"
+            outs.append(meshlib.to_host(sampled.out)[:real])
         out = np.concatenate(outs)
-        return out if request.output_latents else np.clip(out / 2 + 0.5, 0.0, 1.0)
+        out = out if request.output_latents else np.clip(out / 2 + 0.5, 0.0, 1.0)
+        if bad:
+            raise NonFiniteImages(out, bad)
+        return out
+
+
+    def _work(self, request: Request) -> list:
+        return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
+                       devices=self.sampler.mesh.devices.size)
+
+    def fitting_batch(self, request: Request) -> int:
+        """Images per compiled call when the request leaves it open: all of them, halved until the plan's
+        programs need at most `FREE_SHARE` of a device's free memory by XLA's memory analysis (each size
+        tried is compiled, and kept: the one that fits is the one that runs)."""
+        free = meshlib.free_bytes(self.sampler.mesh)
+        batch, devices = request.num_images, self.sampler.mesh.devices.size
+        while free is not None and batch > devices:
+            plan, inputs, _ = self._work(dataclasses.replace(request, batch_size=batch))[0]
+            if self.sampler.compiled(plan, self.sampler.place(inputs)).working_bytes() <= FREE_SHARE * free:
+                break
+            batch = -(-batch // 2)
+        return batch
+
+
+FREE_SHARE = 0.9  # of a device's free memory a generation may plan to use (the rest: fragmentation, the host)
 
 
 def _trained_size(sample_size) -> int:

@@ -8,6 +8,12 @@
   the next.
 - decode (VAE decoder): latents -> images.
 
+Non-finite values are caught, never written as black images: each model call records, per image, the
+first call after which its latents hold a NaN or an inf (`Carry.first_bad`), and decode reports which
+images came out non-finite. A VAE that runs in a lower precision than float32 decodes those images
+again in float32 (the float16 SDXL VAE overflows); what is still non-finite is returned in
+`Sampled.bad_step` / `Sampled.bad_decode` for the caller to report.
+
 `Sampler.__call__` runs prepare, then denoise until the schedule is done, reporting `progress(calls)`
 as each denoise call finishes (while the next one is already queued), then decode. Why not one
 program with the loop inside: reporting from a compiled loop needs a host callback
@@ -56,6 +62,7 @@ from pipelines import guidance, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
+from sdx import weights
 from sdx.schedulers import Scheduler, State
 
 START_NOISE, START_IMAGE, START_LATENTS = "noise", "image", "latents"
@@ -123,10 +130,24 @@ class Inputs:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Carry:
-    """What each model call changes: latents (B, h, w, C) float32 and the scheduler state."""
+    """What each model call changes: latents (B, h, w, C) float32, the scheduler state, and first_bad
+    (B,) int32: the model call (1-based, in the full schedule) after which an image's latents first held
+    a NaN or an inf, 0 while they are finite."""
 
     latents: jax.Array
     state: State
+    first_bad: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """A sampler call's result: out (B, H, W, 3) images or (B, h, w, C) latents; bad_step (B,) host int:
+    `Carry.first_bad` at the end; bad_decode (B,) host bool: finite latents whose decoded image is not
+    finite even in float32."""
+
+    out: jax.Array
+    bad_step: np.ndarray
+    bad_decode: np.ndarray
 
 
 @jax.tree_util.register_dataclass
@@ -183,7 +204,8 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
         x = sched.add_noise(state, vae.config.to_latents(z), inputs.noise)
     else:
         x = inputs.image.astype(jnp.float32)
-    return Carry(x, state), Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales)
+    first_bad = jnp.zeros(x.shape[:1], jnp.int32)
+    return Carry(x, state, first_bad), Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales)
 
 
 def _denoise(graphdef, params, carry: Carry, fixed: Fixed, plan: Plan, calls: int) -> tuple[Carry, jax.Array]:
@@ -195,24 +217,39 @@ def _denoise(graphdef, params, carry: Carry, fixed: Fixed, plan: Plan, calls: in
 
     def call(_, carry: Carry) -> Carry:
         st, x = carry.state, carry.latents
+        c = plan.begin + st.index  # call index in the full schedule, so a refiner continues the base's stream
         model_in = guide.model_input(sched.scale_model_input(st, x).astype(unet.compute.dtype), cond)
         t = jnp.broadcast_to(st.timestep, (model_in.shape[0],))
         out = guide.combine(unet(model_in, t, cond.context, added).astype(jnp.float32), fixed.scales)
         noise = None
-        if sched.stochastic:  # call index in the full schedule, so a refiner continues the base's stream
-            c = plan.begin + st.index
+        if sched.stochastic:
             noise = _per_image(fixed.keys, Stream.STEP_NOISE,
                                lambda k: jax.random.normal(jax.random.fold_in(k, c), x.shape[1:], jnp.float32))
         st, x = sched.step(st, out, x, noise)
-        return Carry(x, st)
+        newly_bad = (carry.first_bad == 0) & ~_finite(x)
+        return Carry(x, st, jnp.where(newly_bad, c + 1, carry.first_bad))
 
     carry = jax.lax.fori_loop(0, calls, call, carry)
     return carry, carry.state.index
 
 
-def _decode(graphdef, params, latents: jax.Array) -> jax.Array:
+def _finite(x: jax.Array) -> jax.Array:
+    """(B, ...) -> (B,) bool: every value of the image finite."""
+    return jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))
+
+
+def _decode(graphdef, params, latents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Images (B, H, W, 3) float32 and which of them are finite (B,)."""
     vae = nnx.merge(graphdef, params)
-    return vae.decode(vae.config.from_latents(latents)).astype(jnp.float32)
+    images = vae.decode(vae.config.from_latents(latents)).astype(jnp.float32)
+    return images, _finite(images)
+
+
+def _float32_vae(vae: nnx.Module) -> nnx.Module:
+    """`vae` computing in float32 with its parameters cast to float32 (shardings kept)."""
+    f32 = dataclasses.replace(vae.compute, dtype=jnp.dtype(jnp.float32), param_dtype=jnp.dtype(jnp.float32))
+    graphdef = nnx.graphdef(weights.abstract(lambda rngs: type(vae)(vae.config, f32, rngs=rngs)))
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(vae)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +261,13 @@ class _Programs:
     denoise: dict[int, Callable]
     sizes: tuple[int, ...]
     decode: Callable | None
+
+    def working_bytes(self) -> int:
+        """What running the plan allocates per device beyond the resident parameters: the largest of its
+        programs' temporaries and outputs, by XLA's own memory analysis."""
+        programs = [self.prepare, *self.denoise.values(), *([self.decode] if self.decode else [])]
+        stats = [p.memory_analysis() for p in programs]
+        return max(m.temp_size_in_bytes + m.output_size_in_bytes for m in stats)
 
 
 class Sampler:
@@ -244,6 +288,7 @@ class Sampler:
         self.compile_log = compile_log
         self._programs: dict[Plan, _Programs] = {}
         self.compilations = 0
+        self._decode32 = None  # (jitted decode, float32 VAE parameters), made when first needed
 
     def place(self, inputs: Inputs) -> Inputs:
         """Batch axes split over the mesh (the scheduler's sample-shaped history on its batch axis, the
@@ -299,9 +344,9 @@ class Sampler:
             self.compile_log(plan, time.perf_counter() - t0)
         return self._programs[plan]
 
-    def __call__(self, plan: Plan, inputs: Inputs, progress: Callable[[int], None] | None = None) -> jax.Array:
-        """Images (B, H, W, 3) float32 roughly in [-1, 1], or latents (B, h, w, C) when not plan.decode.
-        progress(n) is called as each denoise call's n model calls finish."""
+    def __call__(self, plan: Plan, inputs: Inputs, progress: Callable[[int], None] | None = None) -> Sampled:
+        """Images (B, H, W, 3) float32 roughly in [-1, 1], or latents (B, h, w, C) when not plan.decode,
+        with what came out non-finite. progress(n) is called as each denoise call's n model calls finish."""
         meshlib.check_batch(self.mesh, plan.batch)
         inputs = self.place(inputs)
         programs = self.compiled(plan, inputs)
@@ -313,10 +358,27 @@ class Sampler:
                 queued.append((index, calls))
                 if len(queued) > 1:  # report a call once done, while the next one already waits on the device
                     _report(progress, *queued.pop(0))
-        out = carry.latents if programs.decode is None else programs.decode(self.params["vae"], carry.latents)
+        out, finite = carry.latents, None
+        if programs.decode is not None:
+            out, finite = programs.decode(self.params["vae"], carry.latents)
         for done in queued:
             _report(progress, *done)
-        return out
+        bad_step = meshlib.to_host(carry.first_bad)
+        bad_decode = np.zeros(plan.batch, bool) if finite is None else (bad_step == 0) & ~meshlib.to_host(finite)
+        if bad_decode.any() and self.models["vae"].compute.dtype != jnp.float32:
+            out, finite = self._in_float32(out, carry.latents, bad_decode)
+            bad_decode = bad_decode & ~meshlib.to_host(finite)
+        return Sampled(out, bad_step, bad_decode)
+
+    def _in_float32(self, images: jax.Array, latents: jax.Array, redo: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """`images` with the `redo` ones decoded again by the VAE in float32, and which are now finite."""
+        if self._decode32 is None:
+            graphdef, params = nnx.split(_float32_vae(self.models["vae"]))
+            self._decode32 = (jax.jit(functools.partial(_decode, graphdef)), params)
+        decode, params = self._decode32
+        again, finite = decode(params, latents)
+        mask = jnp.asarray(redo)[:, None, None, None]
+        return jnp.where(mask, again, images), finite
 
 
 def _report(progress: Callable[[int], None], index: jax.Array, calls: int) -> None:

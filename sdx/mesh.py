@@ -72,6 +72,22 @@ def param_sharding(mesh: Mesh, min_size: int = 2**18):
     return rule
 
 
+def free_bytes(mesh: Mesh) -> int | None:
+    """Memory one device of `mesh` can still allocate: the allocator's limit less what is in use on an
+    accelerator; on the CPU, the host's MemAvailable shared by the mesh's devices there. None: unknown."""
+    device = mesh.devices.flat[0]
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return kib * 1024 // local
+
+
 def check_batch(mesh: Mesh, batch: int) -> None:
     devices = mesh.devices.size
     if batch % devices:

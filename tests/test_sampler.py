@@ -7,6 +7,7 @@ These run on the embedded demo models (random weights, built once into a tempora
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -265,3 +266,25 @@ def test_bfloat16_runs_the_unet_in_bf16_keeps_the_vae_float32_and_stays_close(ti
     diff = np.abs(images - full) * 255
     print(f"bfloat16 vs float32, 8-bit: mean {diff.mean():.2f}, max {diff.max():.1f}")
     assert diff.mean() < 4.0  # measured 1.25 on this random model; a broken cast is far off
+
+
+def test_without_a_batch_size_the_batch_is_what_fits_in_free_memory(tiny_xl, monkeypatch):
+    """Four images, with free memory between what batches of 2 and 4 need by XLA's memory analysis: the
+    pipeline runs batches of 2, the same programs an explicit --batch-size 2 runs."""
+    import pipelines.pipeline
+
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    assert meshlib.free_bytes(pipe.sampler.mesh) > 0  # this host's MemAvailable
+    request = Request(prompts=["a lighthouse"], num_images_per_prompt=4, height=64, width=64, steps=2)
+    need = {}
+    for b in (2, 4):
+        plan, inputs, _ = pipe._work(dataclasses.replace(request, batch_size=b))[0]
+        need[b] = pipe.sampler.compiled(plan, pipe.sampler.place(inputs)).working_bytes()
+    assert need[2] < need[4]
+    monkeypatch.setattr(pipelines.pipeline.meshlib, "free_bytes",
+                        lambda mesh: int((need[2] + need[4]) / 2 / pipelines.pipeline.FREE_SHARE))
+    assert pipe.fitting_batch(request) == 2
+    auto = pipe(request)
+    np.testing.assert_array_equal(auto, pipe(dataclasses.replace(request, batch_size=2)))
+    monkeypatch.setattr(pipelines.pipeline.meshlib, "free_bytes", lambda mesh: None)  # unknown: all at once
+    assert pipe.fitting_batch(request) == 4

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from pipelines import text as textlib
-from pipelines.pipeline import Pipeline, _trained_size
+from pipelines.pipeline import NonFiniteImages, Pipeline, _trained_size
 from pipelines.sampler import Sampler
 from pipelines.request import Request
 from sdx import mesh as meshlib
@@ -135,10 +135,14 @@ class DiffusionTask:
         if m.family.pix2pix:
             image = data.load_image(cfg.val_image_url_or_path, cfg.resolution)[None]
         size = cfg.resolution
-        images = pipe(Request(prompts=list(cfg.validation_prompt), height=size, width=size,
-                              steps=cfg.validation_inference_steps, num_images_per_prompt=cfg.num_validation_images,
-                              seed=cfg.seed, image=image,
-                              guidance_scale=5.0 if m.family.xl else 7.5))
+        request = Request(prompts=list(cfg.validation_prompt), height=size, width=size,
+                          steps=cfg.validation_inference_steps, num_images_per_prompt=cfg.num_validation_images,
+                          seed=cfg.seed, image=image, guidance_scale=5.0 if m.family.xl else 7.5)
+        try:
+            images = pipe(request)
+        except NonFiniteImages as e:  # a diverging model: say so, log the rest (the bad ones black)
+            self.log(f"validation at step {step}: {e}")
+            images = np.nan_to_num(e.images, nan=0.0, posinf=0.0, neginf=0.0)
         metrics.image(step, "validation", _grid((images * 255).round().astype(np.uint8), cfg.num_validation_images))
 
     def export(self, unet: nnx.Module, out: Path) -> None:
