@@ -14,7 +14,7 @@ WORK=${1:-work/default-models}
 PY=${PYTHON:-python}
 VAE_STEPS=${VAE_STEPS:-1500}
 T2I_STEPS=${T2I_STEPS:-5000}
-EDIT_STEPS=${EDIT_STEPS:-2000}
+EDIT_STEPS=${EDIT_STEPS:-5000}
 mkdir -p "$WORK"
 start=$(date +%s)
 stage() { echo "== $1 ($(( $(date +%s) - start )) s so far)" >&2; }
