@@ -3,8 +3,8 @@ resident memory sampled as it goes.
 
     python benchmarks/long_run.py --images 500 [--model default] [--steps 30]
 
-The prompts are the shapes world's ("a {colour} {shape} on a {colour} background", cycling, each line
-its own seed). The sampler runs in a subprocess; its VmRSS (/proc/PID/status) is read every 0.2 s and
+The prompts are the shapes world's 168 combinations (`train.shapes_eval.combinations`), cycling, each
+line its own seed. The sampler runs in a subprocess; its VmRSS (/proc/PID/status) is read every 0.2 s and
 recorded against the number of images written so far. Printed: RSS once the first image is written and
 at the last one, the largest RSS seen after the first image, the number of compiles the run reported,
 and images per second from the run's own summary line.
@@ -22,14 +22,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black")
-SHAPES = ("circle", "square", "triangle")
+sys.path.insert(0, str(REPO))  # the repository's `train` package, not benchmarks/train.py beside this file
+
+from train.shapes import Scene  # noqa: E402
+from train.shapes_eval import combinations  # noqa: E402
 
 
 def prompts(n: int) -> list[str]:
-    pairs = ((c, s, b) for c, s, b in itertools.product(COLOURS, SHAPES, COLOURS) if c != b)
-    return [json.dumps({"prompt": f"a {c} {s} on a {b} background", "seed": i})
-            for i, (c, s, b) in zip(range(n), itertools.cycle(pairs))]
+    return [json.dumps({"prompt": Scene(*c).prompt(), "seed": i})
+            for i, c in zip(range(n), itertools.cycle(combinations()))]
 
 
 def rss_mib(pid: int) -> float | None:

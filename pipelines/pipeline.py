@@ -132,7 +132,6 @@ class Pipeline:
             raise NonFiniteImages(out, bad)
         return out
 
-
     def _work(self, request: Request) -> list:
         return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
                        devices=self.sampler.mesh.devices.size)
