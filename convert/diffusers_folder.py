@@ -72,6 +72,8 @@ def parse_model_index(data: Any, *, where: str) -> ModelIndex:
     if not isinstance(data, dict) or "_class_name" not in data:
         raise SdxError(f"{where}: not a diffusers model index (no \"_class_name\")")
     pipeline_class = data["_class_name"]
+    if not isinstance(pipeline_class, str):
+        raise SdxError(f"{where}: \"_class_name\" is {pipeline_class!r}, expected a pipeline class name")
     comps: dict[str, tuple[str, str]] = {}
     ignored: dict[str, str] = {}
     extra: dict[str, Any] = {}

@@ -132,6 +132,17 @@ def write_diffusers_folder(
     return Path(out)
 
 
+def check_single_file_output(out: Path, *, overwrite: bool = False) -> None:
+    """Refuse `out` as the single file to write: not *.safetensors, a folder, or an existing file unless
+    `overwrite`."""
+    if out.suffix.lower() != ".safetensors":
+        raise SdxError(f"{out}: a single file is written as safetensors; name it *.safetensors")
+    if out.is_dir():
+        raise SdxError(f"{out} is a folder; give the path of the .safetensors file to write")
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise SdxError(f"{out} exists; pass --overwrite to replace it")
+
+
 def write_single_file_checkpoint(
     ckpt: Checkpoint,
     out: str | Path,
@@ -150,12 +161,7 @@ def write_single_file_checkpoint(
     log = log or (lambda _msg: None)
     cast = weights.dtype_of(dtype)
     out = Path(out)
-    if out.suffix.lower() != ".safetensors":
-        raise SdxError(f"{out}: a single file is written as safetensors; name it *.safetensors")
-    if out.is_dir():
-        raise SdxError(f"{out} is a folder; give the path of the .safetensors file to write")
-    if (out.exists() or out.is_symlink()) and not overwrite:
-        raise SdxError(f"{out} exists; pass --overwrite to replace it")
+    check_single_file_output(out, overwrite=overwrite)
     if ckpt.tensors.keys() != {"vae"}:
         sdx_folder.model_parts(ckpt)  # the same strict checks (shapes included) as every other writer
     try:

@@ -18,12 +18,13 @@ from convert.sources import (
     ModelOptions,
     apply_options,
     builtin_tokenizers,
+    check_source,
     default_variant,
     looks_local,
     read_source,
     resolved,
 )
-from sdx import model_folder, weights
+from sdx import io, model_folder, weights
 from sdx.errors import SdxError
 
 # --format NAME -> writer(checkpoint, out, *, dtype, overwrite, log). Adding a format is one line here.
@@ -56,6 +57,8 @@ def convert(
         raise SdxError(f"unknown --format {fmt!r}; choose one of {', '.join(WRITERS)}")
     if Path(src).exists() and Path(out).resolve() == Path(src).resolve():
         raise SdxError(f"{out}: the output must differ from the source")
+    check_source(src, config=options.config, preset=options.preset)
+    check_output(Path(out), fmt, overwrite=overwrite)
     if variant is None:
         variant = default_variant(dtype)
     if fmt == "sdx" and model_folder.is_model_folder(src) and options.empty:
@@ -70,6 +73,20 @@ def convert(
         return WRITERS[fmt](ckpt, out, dtype=dtype, overwrite=overwrite, log=log)
     with builtin_tokenizers(ckpt, log):
         return WRITERS[fmt](ckpt, out, dtype=dtype, overwrite=overwrite, log=log)
+
+
+def check_output(out: Path, fmt: str, *, overwrite: bool = False) -> None:
+    """Refuse an output `fmt` cannot be written to, before any source is read: an existing one without
+    `overwrite`, a single file not named *.safetensors, a folder named like a file, a place that cannot
+    be written."""
+    if fmt == "single-file":
+        export.check_single_file_output(out, overwrite=overwrite)
+        io.check_writable(out.parent if out.exists() else out, "OUT")  # (an existing file: --overwrite)
+        return
+    if out.suffix.lower() in (".safetensors", ".ckpt") and not out.is_dir():
+        raise SdxError(f"{out}: --format {fmt} writes a folder; for one .safetensors file pass --format single-file")
+    model_folder.check_output_folder(out, overwrite=overwrite)
+    io.check_writable(out, "OUT")
 
 
 def default_cache_dir() -> Path:

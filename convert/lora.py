@@ -225,11 +225,16 @@ def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], tuple[np.
         if "down" not in group or "up" not in group:
             raise SdxError(f"{path}: {source[component, module]!r} has no matching "
                            f"{'up' if 'down' in group else 'down'} weight")
-        down, up = group["down"], group["up"]
+        down, up, name = group["down"], group["up"], source[component, module]
+        if down.ndim not in (2, 4) or up.ndim != down.ndim or 0 in down.shape or 0 in up.shape:
+            raise SdxError(f"{path}: {name!r}: up {up.shape} and down {down.shape} are not a LoRA pair "
+                           "(two non-empty matrices, or 4-D for a convolution)")
         rank = down.shape[0]
         if up.shape[1] != rank:
-            raise SdxError(f"{path}: {source[component, module]!r}: up {up.shape} and down {down.shape} ranks differ")
+            raise SdxError(f"{path}: {name!r}: up {up.shape} and down {down.shape} ranks differ")
         if "alpha" in group:
+            if group["alpha"].size != 1:
+                raise SdxError(f"{path}: {name!r}: alpha has shape {group['alpha'].shape}, expected one number")
             alpha = float(np.asarray(group["alpha"], dtype=np.float64).reshape(-1)[0])
         else:
             alpha = _metadata_alpha(metadata, component, module, rank)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from convert import diffusers_folder, hub, sdx_folder
 from convert.checkpoint import Checkpoint
-from sdx import io, model_folder
+from sdx import io, model_folder, presets
 from sdx.errors import SdxError
 
 Log = Callable[[str], None]
@@ -98,25 +98,38 @@ def read_source(
     config, preset: for a single-file source only (see `ModelOptions`); an error for any other.
     """
     log = log or (lambda _msg: None)
+    check_source(src, config=config, preset=preset)
     path = Path(src)
     if path.is_file():
         return _read_single_file(path, log, config=config, preset=preset)
-    if config is not None or preset is not None:
-        flag = "--config" if config is not None else "--preset"
-        raise SdxError(f"{flag} applies to single-file checkpoints; {src} is not one (its configs are its own)")
     if path.is_dir():
         if model_folder.is_model_folder(path):
             log(f"reading sdx folder {path}")
             return sdx_folder.read_sdx_folder(path)
         log(f"reading diffusers folder {path}")
         return diffusers_folder.read_diffusers_folder(path, variant=variant, log=log)
-    if path.exists() or path.is_symlink():
-        raise SdxError(f"{src}: neither a folder nor a file")
-    text = str(src)
-    if looks_local(text) or not hub.looks_like_repo_id(text):
-        raise SdxError(f"{src}: no such file or folder (and not a hub id of the form org/name)")
-    folder = hub.fetch(text, variant=variant, revision=revision, cache_dir=cache_dir, log=log)
+    folder = hub.fetch(str(src), variant=variant, revision=revision, cache_dir=cache_dir, log=log)
     return diffusers_folder.read_diffusers_folder(folder, variant=variant, log=log)
+
+
+def check_source(src: str | os.PathLike, *, config: str | os.PathLike | None = None, preset: str | None = None) -> None:
+    """What `read_source` can refuse without reading: a source that is neither a file, a folder nor a hub
+    id; --config or --preset for anything but a single file; a --config that is not a folder; an unknown
+    --preset."""
+    path = Path(src)
+    if not path.is_file():
+        if config is not None or preset is not None:
+            flag = "--config" if config is not None else "--preset"
+            raise SdxError(f"{flag} applies to single-file checkpoints; {src} is not one (its configs are its own)")
+        if not path.is_dir():
+            if path.exists() or path.is_symlink():
+                raise SdxError(f"{src}: neither a folder nor a file")
+            if looks_local(str(src)) or not hub.looks_like_repo_id(str(src)):
+                raise SdxError(f"{src}: no such file or folder (and not a hub id of the form org/name)")
+    if config is not None and not Path(config).is_dir():
+        raise SdxError(f"--config {config}: not a folder (a diffusers-layout folder with the config.json files)")
+    if preset is not None:
+        presets.get(preset)
 
 
 def looks_local(text: str) -> bool:

@@ -21,15 +21,14 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from sdx import images, io
 from sdx.errors import ArgumentParser, SdxError, run_command
 
 if TYPE_CHECKING:
@@ -135,12 +134,9 @@ def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None, vari
 
 def read_image(path: str) -> PIL.Image.Image:
     """The --image file, decoded in full to an RGB PIL image (before any model is loaded)."""
-    from PIL import Image, UnidentifiedImageError
-
     try:
-        with Image.open(path) as im:
-            return im.convert("RGB")
-    except (OSError, UnidentifiedImageError) as e:
+        return images.decode(path)
+    except images.UnreadableImage as e:
         raise SdxError(f"--image {path}: cannot read the image ({e})") from None
 
 
@@ -181,20 +177,6 @@ def output_paths(output: str, count: int, seed: int, overwrite: bool) -> list[Pa
     return paths
 
 
-def writable(path: Path, flag: str) -> None:
-    """Refuse an output location that cannot be written, before the work that would fill it: the nearest
-    existing folder on its way must take a new file (probed with an unnamed temporary file)."""
-    folder = path
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise SdxError(f"{flag} {path}: {folder} is a file, not a folder; choose another {flag}")
-    try:
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise SdxError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None
-
-
 def check_flags(args: argparse.Namespace) -> tuple[np.ndarray | None, PIL.Image.Image | None]:
     """Refuse bad values of the flags that say what to generate; returns the --latents array and the
     --image picture (`read_image`), as read here."""
@@ -232,7 +214,7 @@ def check_args(args: argparse.Namespace) -> list[Job]:
     """Refuse bad values before anything heavy (loading, converting, compiling, sampling) runs; returns the
     generations asked for: one, or one per line of --prompts-file."""
     if args.cache:
-        writable(Path(args.cache), "--cache")
+        io.check_writable(Path(args.cache), "--cache")
     if args.prompts_file is not None:
         return _prompts_file_jobs(args)
     if not args.prompt:
@@ -240,9 +222,9 @@ def check_args(args: argparse.Namespace) -> list[Job]:
     latents, picture = check_flags(args)
     paths = output_paths(args.output, len(args.prompt) * args.num_images, args.seed, args.overwrite)
     grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
-    writable(paths[0].parent, "--output")
+    io.check_writable(paths[0].parent, "--output")
     if grid_path is not None:
-        writable(grid_path.parent, "--grid")
+        io.check_writable(grid_path.parent, "--grid")
     return [Job(args, paths, grid_path, latents, picture)]
 
 
@@ -255,7 +237,7 @@ def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
     folder = Path(args.output)
     if folder.suffix.lower() == ".png":
         raise SdxError(f"--output {args.output}: with --prompts-file it is the folder the images go to")
-    writable(folder, "--output")
+    io.check_writable(folder, "--output")
     jobs = []
     for index, (where, settings) in enumerate(prompts_file.read(args.prompts_file)):
         line = argparse.Namespace(**{**vars(args), **settings})
@@ -283,12 +265,7 @@ def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
     )
     info.add_text("parameters", a1111)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        Image.fromarray(pixels).save(tmp, format="PNG", pnginfo=info)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    io.atomic_write(path, lambda f: Image.fromarray(pixels).save(f, format="PNG", pnginfo=info))
 
 
 def run(args: argparse.Namespace) -> list[Path]:
@@ -330,16 +307,18 @@ def run(args: argparse.Namespace) -> list[Path]:
                    total=count if args.prompts_file else 0, file=sys.stderr)
     steps_bar = None if args.prompts_file else bar
     t0, written, failed = time.perf_counter(), [], []
-    for job in todo:
-        try:
-            written += _generate(job, pipes, steps_bar, log)
-        except NonFiniteImages as e:  # the other prompts still run
-            failed.append(f"{job.paths[0].name}: {e}" if args.prompts_file else str(e))
-        if bar is not None and args.prompts_file:
-            bar.update(len(job.paths))
+    try:
+        for job in todo:
+            try:
+                written += _generate(job, pipes, steps_bar, log)
+            except NonFiniteImages as e:  # the other prompts still run
+                failed.append(f"{job.paths[0].name}: {e}" if args.prompts_file else str(e))
+            if bar is not None and args.prompts_file:
+                bar.update(len(job.paths))
+    finally:  # an error (a full disk) prints on its own line, under the closed bar
+        if bar is not None:
+            bar.close()
     elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
     sampling = elapsed - sum(compile_seconds)
     log(f"{count} image(s) in {sampling:.2f} s sampling ({count / max(sampling, 1e-9):.2f} images/s) "
         f"+ {sum(compile_seconds):.1f} s compiling")

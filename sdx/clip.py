@@ -29,7 +29,7 @@ from flax import nnx
 
 from sdx.attention import dot_product_attention
 from sdx import diffusers_config, presets
-from sdx.config import JsonConfig
+from sdx.config import FLAG, JsonConfig, Kind
 from sdx.errors import SdxError
 from sdx.layers import F32, Compute, LayerNorm, linear
 
@@ -50,6 +50,7 @@ class TextEncoderConfig(JsonConfig):
     """
 
     label: ClassVar[str] = "text encoder config"
+    kinds: ClassVar[Mapping[str, Kind]] = {**diffusers_config.TEXT_ENCODER_KINDS, "with_projection": FLAG}
 
     vocab_size: int = 49408
     hidden_size: int = 768

@@ -24,7 +24,25 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from sdx.config import plain
+from sdx.config import (
+    COUNT,
+    COUNT_LIST,
+    COUNTS,
+    DEPTH,
+    DEPTHS,
+    FLAG,
+    FLAGS,
+    NAME,
+    NAMES,
+    NATURAL,
+    NUMBER,
+    POSITIVE,
+    Kind,
+    check_types,
+    is_list,
+    optional,
+    plain,
+)
 from sdx.errors import SdxError
 
 UNET, VAE, TEXT_ENCODER = "unet config", "VAE config", "text encoder config"  # the labels in error messages
@@ -147,6 +165,23 @@ UNET_FIXED: dict[str, tuple[Any, ...]] = {
 }
 
 
+_LAYER_COUNTS: Kind = (f"{DEPTHS[0]} (one per level, or a list per level)",
+                      lambda v: DEPTH[1](v) or is_list(v, DEPTHS[1]))
+UNET_KINDS: dict[str, Kind] = {
+    "in_channels": COUNT, "out_channels": COUNT, "block_out_channels": COUNT_LIST,
+    "down_block_types": NAMES, "up_block_types": NAMES, "mid_block_type": optional(NAME),
+    "layers_per_block": DEPTHS, "transformer_layers_per_block": _LAYER_COUNTS,
+    "reverse_transformer_layers_per_block": optional(_LAYER_COUNTS), "attention_head_dim": COUNTS,
+    "cross_attention_dim": COUNTS, "only_cross_attention": FLAGS, "use_linear_projection": optional(FLAG),
+    "upcast_attention": optional(FLAG), "norm_num_groups": COUNT, "norm_eps": POSITIVE,
+    "downsample_padding": NATURAL, "mid_block_scale_factor": NUMBER, "center_input_sample": FLAG,
+    "conv_in_kernel": COUNT, "conv_out_kernel": COUNT, "flip_sin_to_cos": FLAG, "freq_shift": NUMBER,
+    "time_embedding_dim": optional(COUNT), "addition_embed_type": optional(NAME),
+    "addition_time_embed_dim": optional(COUNT), "projection_class_embeddings_input_dim": optional(COUNT),
+    "sample_size": optional(COUNTS),
+}
+
+
 def _per_level(name: str, value, n: int, kind) -> tuple:
     """diffusers' `int or list` fields as an n-tuple; a list of the wrong length names the field."""
     if isinstance(value, (list, tuple)):
@@ -156,12 +191,8 @@ def _per_level(name: str, value, n: int, kind) -> tuple:
     return (kind(value),) * n
 
 
-def _layer_counts(name: str, value) -> int | tuple[int, ...]:
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    if value is None:
-        raise SdxError(f"{UNET}: {name} has a null entry")
-    return int(value)
+def _layer_counts(value) -> int | tuple[int, ...]:
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _strip_alias(block_type):
@@ -179,21 +210,22 @@ def unet_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     check_fixed(UNET, f, UNET_FIXED)
     if f["norm_num_groups"] is None:
         raise SdxError(f"{UNET}: norm_num_groups=None (no output norm) is not implemented in sdx")
-    boc = tuple(int(c) for c in f["block_out_channels"])
-    n = len(boc)
     heads = f["attention_head_dim"]
     if heads is None or (isinstance(heads, (list, tuple)) and any(h is None for h in heads)):
         raise SdxError(f"{UNET}: attention_head_dim=None is not implemented (heads must be given per level)")
+    check_types(UNET, f, UNET_KINDS)
+    boc = tuple(f["block_out_channels"])
+    n = len(boc)
     tlpb = f["transformer_layers_per_block"]
     if isinstance(tlpb, (list, tuple)):
-        tlpb = tuple(_layer_counts("transformer_layers_per_block", v) for v in tlpb)
+        tlpb = tuple(_layer_counts(v) for v in tlpb)
     else:
         tlpb = (int(tlpb),) * n
     if len(tlpb) != n:
         raise SdxError(f"{UNET}: transformer_layers_per_block has {len(tlpb)} entries but there are {n} levels")
     rev = f["reverse_transformer_layers_per_block"]
     if rev is not None:
-        rev = tuple(_layer_counts("reverse_transformer_layers_per_block", v) for v in rev)
+        rev = tuple(_layer_counts(v) for v in rev)
     sample_size = f["sample_size"]
     return dict(
         in_channels=int(f["in_channels"]),
@@ -270,6 +302,12 @@ VAE_FIXED: dict[str, tuple[Any, ...]] = {
     "latents_std": (None,),
 }
 _VAE_BLOCKS = {"down_block_types": "DownEncoderBlock2D", "up_block_types": "UpDecoderBlock2D"}
+VAE_KINDS: dict[str, Kind] = {
+    "in_channels": COUNT, "out_channels": COUNT, "down_block_types": NAMES, "up_block_types": NAMES,
+    "block_out_channels": COUNT_LIST, "layers_per_block": DEPTH, "latent_channels": COUNT, "norm_num_groups": COUNT,
+    "sample_size": optional(COUNTS), "scaling_factor": NUMBER, "shift_factor": optional(NUMBER),
+    "force_upcast": FLAG, "use_quant_conv": FLAG, "use_post_quant_conv": FLAG, "mid_block_add_attention": FLAG,
+}
 
 
 def vae_fields(d: Mapping[str, Any]) -> dict[str, Any]:
@@ -280,6 +318,7 @@ def vae_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     check_known(VAE, d, VAE_DEFAULTS)
     cfg = {**VAE_DEFAULTS, **{k: v for k, v in d.items() if not _private(k)}}
     check_fixed(VAE, cfg, VAE_FIXED)
+    check_types(VAE, cfg, VAE_KINDS)
     levels = len(cfg["block_out_channels"])
     for key, want in _VAE_BLOCKS.items():
         types = list(cfg[key])
@@ -312,6 +351,13 @@ TEXT_ENCODER_FIXED: dict[str, tuple[Any, ...]] = {
     "model_type": ("clip_text_model",),
     "pruned_heads": ({},),  # transformers 4's head pruning would remove heads from the weights
 }
+TEXT_ENCODER_KINDS: dict[str, Kind] = {
+    **{k: COUNT for k in ("vocab_size", "hidden_size", "intermediate_size", "projection_dim",
+                          "num_attention_heads", "max_position_embeddings")},
+    "num_hidden_layers": DEPTH,
+    "hidden_act": NAME, "layer_norm_eps": POSITIVE,
+    **{k: NATURAL for k in ("pad_token_id", "bos_token_id", "eos_token_id")},
+}
 # `architectures` decides the projection; absent, transformers' own default class, CLIPTextModel.
 TEXT_ENCODER_ARCHITECTURES = {"CLIPTextModel": False, "CLIPTextModelWithProjection": True}
 
@@ -339,7 +385,7 @@ def text_encoder_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     CLIPTextModelWithProjection (a projection in weights the config does not announce then fails the
     strict loader by name)."""
     archs = d.get("architectures") or ["CLIPTextModel"]
-    if len(archs) != 1 or archs[0] not in TEXT_ENCODER_ARCHITECTURES:
+    if not NAMES[1](archs) or len(archs) != 1 or archs[0] not in TEXT_ENCODER_ARCHITECTURES:
         raise SdxError(
             f"{TEXT_ENCODER}: architectures={archs!r} is not supported; sdx reads "
             f"{' or '.join(TEXT_ENCODER_ARCHITECTURES)} (a full CLIPModel config has them under text_config)"
@@ -348,6 +394,7 @@ def text_encoder_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     check_known(TEXT_ENCODER, d, known)
     check_fixed(TEXT_ENCODER, {"model_type": "clip_text_model", "pruned_heads": {}, **d}, TEXT_ENCODER_FIXED)
     get = {**TEXT_ENCODER_DEFAULTS, **d}.__getitem__
+    check_types(TEXT_ENCODER, {k: get(k) for k in TEXT_ENCODER_KINDS}, TEXT_ENCODER_KINDS)
     return dict(
         vocab_size=int(get("vocab_size")),
         hidden_size=int(get("hidden_size")),

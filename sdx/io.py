@@ -11,6 +11,7 @@ Errors a user can fix (a missing, truncated or malformed file) are one SdxError 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from sdx.config import is_int
 from sdx.errors import SdxError
 
 # --------------------------------------------------------------------------------------------------
@@ -69,21 +71,48 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def write_error(path: str | os.PathLike, e: OSError) -> SdxError:
+    """The error for a write that failed (a full disk, a read-only or vanished folder), naming the file."""
+    hint = "; free some space or write elsewhere" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+    return SdxError(f"cannot write {path}: {e.strerror or e}{hint}")
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[object], None]) -> None:
-    """Call `write(binary_file)` on a temporary file next to `path`, fsync it, rename it to `path`."""
+    """Call `write(binary_file)` on a temporary file next to `path`, fsync it, rename it to `path`. A failed
+    write (a full disk included) removes the temporary file, leaves `path` as it was and is `write_error`."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, default_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
         raise
     fsync_dir(path.parent)
+
+
+def check_writable(path: str | os.PathLike, flag: str) -> None:
+    """Refuse an output location that cannot be written, before the work that would fill it: the nearest
+    existing folder on the way to `path` must take a new file (probed with an unnamed temporary file, so
+    nothing is left behind). `flag` names the location in the error (e.g. "--output")."""
+    path = Path(path)
+    folder = path
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise SdxError(f"{flag} {path}: {folder} is a file, not a folder; choose another {flag}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise SdxError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,9 +215,12 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         if key == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+            dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise SdxError(f"{path}: corrupt safetensors header entry for tensor {key!r}") from None
+        if not (isinstance(dtype, str) and all(is_int(d) and d >= 0 for d in (*shape, begin, end))):
+            raise SdxError(f"{path}: corrupt safetensors header entry for tensor {key!r} (shape and offsets must be "
+                           "integers >= 0)")
         if dtype not in _ST_DTYPES:
             raise SdxError(f"{path}: tensor {key!r} has dtype {dtype}, which sdx does not read")
         nbytes = math.prod(shape) * _ST_DTYPES[dtype].itemsize

@@ -51,6 +51,7 @@ from flax import nnx
 
 from sdx import io, weights
 from sdx import mesh as meshlib
+from sdx.config import NAME, Kind, check_types, optional
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -177,13 +178,26 @@ def read_spec(folder: str | os.PathLike) -> dict[str, Any]:
         raise SdxError(
             f"{path}: format_version {spec.get('format_version')!r} is not {FORMAT_VERSION}, the one this sdx reads"
         )
-    for key in ("pipeline_class", "dtype", "components"):
-        if key not in spec:
-            raise SdxError(f"{path}: missing {key!r}")
+    spec.setdefault("extra", {})
+    check_types(str(path), {k: spec.get(k) for k in _SPEC_KINDS}, _SPEC_KINDS)
     weights.dtype_of(spec["dtype"])
     check_pipeline(spec["pipeline_class"], set(spec["components"]), where=str(path))
-    spec.setdefault("extra", {})
+    for name, entry in spec["components"].items():
+        kinds = _ENTRY_KINDS[SCHEDULER if name == SCHEDULER else "tokenizer" if name in TOKENIZERS else "model"]
+        if not isinstance(entry, dict):
+            raise SdxError(f"{path}: components.{name} must be an object, not {type(entry).__name__}")
+        check_types(f"{path}: components.{name}", {k: entry.get(k) for k in kinds}, kinds)
     return spec
+
+
+# sdx.json's fields, and those of each kind of component entry
+_OBJECT: Kind = ("an object", lambda v: isinstance(v, dict))
+_SPEC_KINDS: dict[str, Kind] = {"pipeline_class": NAME, "dtype": NAME, "components": _OBJECT, "extra": _OBJECT}
+_ENTRY_KINDS: dict[str, dict[str, Kind]] = {
+    "model": {"class": NAME, "file": NAME, "config": _OBJECT, "source_config": optional(_OBJECT)},
+    "tokenizer": {"class": NAME, "folder": NAME},
+    SCHEDULER: {"class": optional(NAME), "config": _OBJECT},
+}
 
 
 def _entry(spec: Mapping[str, Any], folder: Path, name: str) -> dict[str, Any]:
@@ -294,6 +308,16 @@ def module_arrays(model: nnx.Module) -> dict[str, np.ndarray]:
 # Writing
 
 
+def check_output_folder(out: str | os.PathLike, *, overwrite: bool = False) -> None:
+    """Refuse `out` as a folder to write: a file or link there, or a non-empty folder unless `overwrite`."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        if not out.is_dir() or out.is_symlink():
+            raise SdxError(f"{out} exists and is not a folder; choose another output path")
+        if any(out.iterdir()) and not overwrite:
+            raise SdxError(f"{out} exists and is not empty; pass --overwrite to replace it")
+
+
 @contextlib.contextmanager
 def building_folder(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder next to `out`; on success it becomes `out` by one rename.
@@ -302,11 +326,7 @@ def building_folder(out: str | os.PathLike, *, overwrite: bool = False) -> Itera
     folder is complete). On failure the temporary folder is removed and `out` is untouched.
     """
     out = Path(out)
-    if out.exists() or out.is_symlink():
-        if not out.is_dir() or out.is_symlink():
-            raise SdxError(f"{out} exists and is not a folder; choose another output path")
-        if any(out.iterdir()) and not overwrite:
-            raise SdxError(f"{out} exists and is not empty; pass --overwrite to replace it")
+    check_output_folder(out, overwrite=overwrite)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{out.name}.tmp-", dir=out.parent))
@@ -315,7 +335,10 @@ def building_folder(out: str | os.PathLike, *, overwrite: bool = False) -> Itera
         raise SdxError(f"cannot create {out}: {e.strerror or e}") from None
     old = None
     try:
-        yield tmp
+        try:
+            yield tmp
+        except SdxError as e:  # a write that failed names the file it was for, not the temporary one
+            raise SdxError(str(e).replace(str(tmp), str(out))) from None
         io.fsync_dir(tmp)
         if out.exists():
             if any(out.iterdir()):

@@ -28,7 +28,23 @@ import numpy as np
 from flax import nnx
 
 from sdx import diffusers_config, presets
-from sdx.config import JsonConfig
+from sdx.config import (
+    COUNT,
+    COUNT_LIST,
+    COUNTS,
+    DEPTH,
+    DEPTHS,
+    FLAG,
+    NAME,
+    NAMES,
+    NATURAL,
+    NUMBER,
+    POSITIVE,
+    JsonConfig,
+    Kind,
+    list_of,
+    optional,
+)
 from sdx.errors import SdxError
 from sdx.layers import (
     F32,
@@ -71,6 +87,18 @@ class UNetConfig(JsonConfig):
     """
 
     label: ClassVar[str] = "unet config"
+    kinds: ClassVar[Mapping[str, Kind]] = {
+        **{k: COUNT for k in ("in_channels", "out_channels", "norm_num_groups", "conv_in_kernel", "conv_out_kernel")},
+        **{k: COUNT_LIST for k in ("block_out_channels", "num_attention_heads", "cross_attention_dim")},
+        "down_block_types": NAMES, "up_block_types": NAMES, "mid_block_type": optional(NAME),
+        "layers_per_block": list_of(DEPTH), "transformer_layers_per_block": list_of(DEPTHS),
+        "reverse_transformer_layers_per_block": optional(list_of(DEPTHS)), "only_cross_attention": list_of(FLAG),
+        **{k: FLAG for k in ("use_linear_projection", "upcast_attention", "center_input_sample", "flip_sin_to_cos")},
+        "norm_eps": POSITIVE, "downsample_padding": NATURAL, "mid_block_scale_factor": NUMBER, "freq_shift": NUMBER,
+        **{k: optional(COUNT) for k in ("time_embedding_dim", "addition_time_embed_dim",
+                                        "projection_class_embeddings_input_dim")},
+        "addition_embed_type": optional(NAME), "sample_size": optional(COUNTS),
+    }
 
     in_channels: int = 4
     out_channels: int = 4

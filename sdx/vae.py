@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from sdx import diffusers_config, presets
-from sdx.config import JsonConfig
+from sdx.config import JsonConfig, Kind
 from sdx.errors import SdxError
 from sdx.layers import F32, Attention, Compute, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv
 
@@ -43,6 +43,8 @@ class VAEConfig(JsonConfig):
     """
 
     label: ClassVar[str] = "VAE config"
+    kinds: ClassVar[Mapping[str, Kind]] = {k: kind for k, kind in diffusers_config.VAE_KINDS.items()
+                                           if not k.endswith("_block_types")}
 
     in_channels: int = 3
     out_channels: int = 3

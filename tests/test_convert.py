@@ -382,6 +382,53 @@ def test_python_m_convert_exits_2_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["SRC", "/proc/sdx-out"], "OUT /proc/sdx-out: cannot write in /proc"),
+    (["SRC", "/proc/m.safetensors", "--format", "single-file"], "cannot write in /proc"),
+    (["SRC", "FULL"], "FULL exists and is not empty; pass --overwrite"),
+    (["SRC", "FULL", "--format", "diffusers"], "not empty; pass --overwrite"),
+    (["SRC", "FILE"], "exists and is not a folder"),
+    (["SRC", "FILE/out"], "is a file, not a folder"),
+    (["SRC", "out.safetensors"], "--format sdx writes a folder; for one .safetensors file pass --format single-file"),
+    (["SRC", "out.ckpt", "--format", "single-file"], "name it *.safetensors"),
+    (["SRC", "folder.safetensors", "--format", "single-file"], "is a folder; give the path of the .safetensors file"),
+    (["SRC", "MINE.safetensors", "--format", "single-file"], "exists; pass --overwrite"),
+    (["SRC", "out", "--format", "onnx"], "invalid choice: 'onnx'"),
+    (["SRC", "out", "--dtype", "float8"], "invalid choice: 'float8'"),
+    (["/nonexistent/model", "out"], "no such file or folder"),
+    (["SRC", "SRC"], "must differ from the source"),
+    (["SRC", "out", "--lora", "/nonexistent/lora.safetensors"], "--lora /nonexistent/lora.safetensors"),
+    (["SRC", "out", "--vae", "/nonexistent/vae"], "--vae /nonexistent/vae"),
+    (["SRC", "out", "--config", "/nonexistent/config"], "--config"),
+    (["SRC", "out", "--preset", "sd21"], "--preset applies to single-file checkpoints"),
+    (["SRC", "out", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_arguments_are_refused_before_reading_and_nothing_is_written(sd15, tmp_path, capsys, monkeypatch, args,
+                                                                         expected):
+    """Every argument is checked before the source is read: one `error:` line, exit 2, nothing new on disk
+    and what was there left byte for byte."""
+    fail = lambda *a, **k: pytest.fail("the source was read")
+    monkeypatch.setattr(library, "read_source", fail)
+    monkeypatch.setattr(model_folder, "resave", fail)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "mine.safetensors").write_text("mine")
+    (tmp_path / "folder.safetensors").mkdir()
+    names = {"SRC": str(sd15), "FULL": str(tmp_path / "full"), "FILE": str(tmp_path / "file"),
+             "MINE": str(tmp_path / "mine")}
+    for name, value in names.items():
+        args = [a.replace(name, value) for a in args]
+        expected = expected.replace(name, value)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder.safetensors", "full", "mine.safetensors"]
+
+
 def test_output_folder_is_never_clobbered(sd15, sdxl_out, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -222,7 +222,7 @@ def test_vae_swap(tiny, tmp_path, capsys):
     vae_file = tmp_path / "vae.safetensors"
     single_file.write_single_file(Checkpoint("", {"vae": dict(vae.config)}, {"vae": want}), vae_file)
     for source in (tmp_path / "pipeline", out, vae_file):
-        got = library.convert(sdx, tmp_path / f"via-{source.name}", options=library.ModelOptions(vae=str(source)))
+        got = library.convert(sdx, tmp_path / f"via-{source.stem}", options=library.ModelOptions(vae=str(source)))
         assert_same_state(want, {k: np.asarray(v) for k, v in read_sdx_folder(got).tensors["vae"].items()}, source)
         scaling = model_folder.model_config(got, "vae").scaling_factor
         assert scaling == (pipe.vae.config.scaling_factor if source == vae_file else 0.5)

@@ -1,7 +1,8 @@
 """`python -m train.X` as a user runs it, in subprocesses: diffusers' documented InstructPix2Pix command
 line runs unchanged (small numbers, a local tiny model and dataset), and SIGTERM through the real loop
 writes a checkpoint, exits 0 with one line saying how to resume, and the resumed run ends with the
-weights of an uninterrupted one, byte for byte.
+weights of an uninterrupted one, byte for byte; so does one resumed after a SIGKILL at a random moment.
+Bad files and folders are refused before a model loads, with nothing written.
 
 The subprocesses share a JAX persistent compilation cache (a temporary folder, every program cached), so
 only the first run of each program compiles it.
@@ -10,6 +11,7 @@ only the first run of each program compiles it.
 from __future__ import annotations
 
 import json
+import random
 import os
 import re
 import signal
@@ -90,11 +92,18 @@ def _t2i(model, data, out, steps: int, *extra) -> list[str]:
 STEPS = 12
 
 
-def test_sigterm_checkpoints_exits_0_and_resumes_to_the_same_weights(world):
+@pytest.fixture(scope="module")
+def straight(world) -> Path:
+    """The uninterrupted run the stopped and killed ones must end equal to."""
     root, model, env = world
-    straight, stopped = root / "straight", root / "stopped"
-    proc = _run(_t2i(model, root / "captions", straight, STEPS), env)
+    proc = _run(_t2i(model, root / "captions", root / "straight", STEPS), env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root / "straight"
+
+
+def test_sigterm_checkpoints_exits_0_and_resumes_to_the_same_weights(world, straight):
+    root, model, env = world
+    stopped = root / "stopped"
 
     # the same run, but long (a constant learning rate: --max_train_steps changes nothing else), stopped by
     # SIGTERM as soon as its first step is logged
@@ -139,3 +148,80 @@ def test_model_names_resolve_as_the_sampler_resolves_them(world, demo_models, mo
     monkeypatch.setenv("SDX_CACHE", str(demo_models.cache))
     cfg = config.parse("pix2pix", ["--pretrained_model_name_or_path", "tiny", "--dataset_name", "d"])
     assert models.resolve_folder(cfg, log=lambda _m: None) == demo_models("tiny")
+
+
+def test_kill_9_at_a_random_moment_loses_only_uncheckpointed_steps(world, straight):
+    """SIGKILL while a step or a checkpoint write is under way (a checkpoint every step, the kill after a
+    random number of logged steps plus a random delay): `latest` is a complete checkpoint no older than
+    the last two logged steps, and the resumed run ends with the uninterrupted run's weights."""
+    root, model, env = world
+    killed = root / "killed"
+    rng = random.Random()
+    seed = rng.randrange(2**32)
+    rng.seed(seed)
+    after, delay = rng.randint(1, STEPS - 4), rng.uniform(0.0, 0.2)
+    child = subprocess.Popen([sys.executable, "-m", *_t2i(model, root / "captions", killed, 1000, "--checkpointing_steps",
+                                                       "1")], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = killed / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= after):
+            assert child.poll() is None, child.communicate()
+            assert time.monotonic() < deadline, f"{after} steps not logged in 300 s"
+            time.sleep(0.005)
+        time.sleep(delay)
+        child.kill()
+        child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    logged = len(metrics.read_text().splitlines())
+    complete = checkpoint.complete_steps(killed / "checkpoints")
+    latest = complete[-1] if complete else 0  # 0: killed before the first checkpoint was committed
+    where = f"(random seed {seed}: killed {delay:.3f} s after step {after} was logged; {logged} logged)"
+    assert logged < STEPS, f"killed too late to test a resume to {STEPS} {where}"
+    assert logged - 2 <= latest <= logged, where
+
+    proc = _run(_t2i(model, root / "captions", killed, STEPS, "--checkpointing_steps", "1", "--resume_from_checkpoint",
+                     "latest"), env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + where
+    assert (f"resumed from step {latest}" in proc.stdout + proc.stderr) == (latest > 0), where
+    assert (killed / "unet.safetensors").read_bytes() == (straight / "unet.safetensors").read_bytes(), where
+    assert not list((killed / "checkpoints").glob("*tmp*")), where  # the cut-off write's leftovers are gone
+
+
+# (extra flags, words the error holds): what `loop.run` refuses by looking at files, before any model loads
+BAD_FILES = [
+    (["--output_dir", "/proc/sdx-train"], "--output_dir /proc/sdx-train: cannot write in /proc"),
+    (["--output_dir", "FILE/out"], "is a file, not a folder"),
+    (["--dataset_name", "/nonexistent/data"], "dataset /nonexistent/data: no such file or folder"),
+    (["--original_image_column", "before"], "no column 'before'"),
+    (["--edit_prompt_column", "instruction"], "no column 'instruction'"),
+    (["--validation_prompt", "make it red", "--val_image_url_or_path", "FILE"], "--val_image_url_or_path FILE: cannot "
+                                                                                "read the image"),
+    (["--validation_prompt", "make it red", "--val_image_url_or_path", "/nonexistent.png"], "cannot read the image"),
+    (["--resume_from_checkpoint", "/nonexistent/checkpoint"], "--resume_from_checkpoint /nonexistent/checkpoint: "),
+    (["--pretrained_model_name_or_path", "/nonexistent/model"], "/nonexistent/model: not an sdx folder"),
+    (["--pretrained_vae_model_name_or_path", "/nonexistent/vae"], "/nonexistent/vae: no such file or folder"),
+]
+
+
+@pytest.mark.parametrize("extra, words", BAD_FILES)
+def test_bad_files_are_refused_before_a_model_loads_and_nothing_is_written(world, tmp_path, capsys, monkeypatch,
+                                                                          extra, words):
+    from sdx.errors import run_command
+    from train import models, pix2pix
+
+    root, model, env = world
+    monkeypatch.setenv("SDX_CACHE", env["SDX_CACHE"])
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    (tmp_path / "file").write_text("not an image")
+    extra = [a.replace("FILE", str(tmp_path / "file")) for a in extra]
+    words = words.replace("FILE", str(tmp_path / "file"))
+    argv = ["--pretrained_model_name_or_path", str(model), "--dataset_name", str(root / "edits"), "--resolution", "32",
+            "--train_batch_size", "2", "--output_dir", str(tmp_path / "out"), *extra]
+    assert run_command(lambda: pix2pix.train(argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"] and (tmp_path / "file").read_text() == "not an image"

@@ -77,22 +77,52 @@ def test_unimplemented_diffusers_flag_is_named(capsys, flag):
     assert flag.lstrip("-").split("=")[0].replace("-", "_") in msg and "not supported" in msg
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["--train_batch_size", "0"], "train_batch_size"),
-    (["--learning_rate", "-1"], "learning_rate"),
-    (["--conditioning_dropout_prob", "0.5"], "conditioning_dropout_prob"),
-    (["--mixed_precision", "fp32"], "mixed_precision"),
-    (["--lr_scheduler", "exotic"], "lr_scheduler"),
-    (["--ema_min_decay", "0.99", "--ema_decay", "0.9"], "ema_min_decay"),
-    (["--adam_beta2", "1.0"], "adam_beta2"),
-    (["--max_train_steps", "0"], "max_train_steps"),
-    (["--bogus_flag", "1"], "bogus_flag"),
-    (["--train_data_dir", "x"], "exactly one"),
-    (["--validation_prompt", "make it red"], "val_image_url_or_path"),
-])
-def test_bad_values_one_error_line(capsys, extra, words):
-    msg = _error(capsys, "pix2pix", ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", *extra])
-    assert words in msg
+# (task, extra flags, words the error must hold): every flag `config.check` or argparse refuses, at a bad value
+BAD_VALUES = [
+    *[("pix2pix", [f"--{name}", "0"], f"--{name} must be at least 1, got 0") for name in (
+        "resolution", "train_batch_size", "num_train_epochs", "gradient_accumulation_steps", "checkpointing_steps",
+        "fsdp", "lr_num_cycles", "num_validation_images", "validation_inference_steps", "max_train_steps",
+        "max_train_samples", "checkpoints_total_limit", "validation_steps", "validation_epochs")],
+    *[("pix2pix", [f"--{name}", "-1"], f"--{name} must not be negative, got -1") for name in (
+        "lr_warmup_steps", "dataloader_num_workers", "ema_update_after_step", "noise_offset", "input_perturbation",
+        "max_grad_norm", "adam_weight_decay")],
+    ("vae", ["--kl_weight", "-1"], "--kl_weight must not be negative"),
+    ("pix2pix", ["--learning_rate", "0"], "--learning_rate must be positive"),
+    ("pix2pix", ["--learning_rate", "-1"], "--learning_rate must be positive"),
+    ("pix2pix", ["--adam_epsilon", "0"], "--adam_epsilon must be positive"),
+    ("pix2pix", ["--adam_beta1", "1"], "--adam_beta1 must be in [0, 1)"),
+    ("pix2pix", ["--adam_beta2", "-0.1"], "--adam_beta2 must be in [0, 1)"),
+    ("pix2pix", ["--ema_decay", "1.5"], "--ema_decay must be in [0, 1]"),
+    ("pix2pix", ["--ema_min_decay", "-0.5"], "--ema_min_decay must be in [0, 1]"),
+    ("pix2pix", ["--ema_min_decay", "0.99", "--ema_decay", "0.9"], "--ema_min_decay 0.99 is above --ema_decay 0.9"),
+    ("pix2pix", ["--ema_inv_gamma", "0"], "--ema_inv_gamma and --ema_power must be positive"),
+    ("pix2pix", ["--ema_power", "-1"], "--ema_inv_gamma and --ema_power must be positive"),
+    ("pix2pix", ["--snr_gamma", "0"], "--snr_gamma must be positive"),
+    ("pix2pix", ["--conditioning_dropout_prob", "0.5"], "--conditioning_dropout_prob must be in [0, 1/3]"),
+    ("pix2pix", ["--conditioning_dropout_prob", "-0.1"], "--conditioning_dropout_prob must be in [0, 1/3]"),
+    ("text_to_image", ["--proportion_empty_prompts", "1.5"], "--proportion_empty_prompts must be in [0, 1]"),
+    ("pix2pix", ["--validation_prompt", "make it red"], "needs --val_image_url_or_path"),
+    ("pix2pix", ["--train_data_dir", "x"], "exactly one of --dataset_name"),
+    # argparse: choices and types
+    ("pix2pix", ["--mixed_precision", "fp32"], "invalid choice: 'fp32'"),
+    ("pix2pix", ["--lr_scheduler", "exotic"], "invalid choice: 'exotic'"),
+    ("pix2pix", ["--attention", "flash"], "invalid choice: 'flash'"),
+    ("pix2pix", ["--prediction_type", "x0"], "invalid choice: 'x0'"),
+    ("pix2pix", ["--report_to", "wandb"], "invalid choice: 'wandb'"),
+    ("pix2pix", ["--export_format", "onnx"], "invalid choice: 'onnx'"),
+    ("vae", ["--reconstruction_loss", "l3"], "invalid choice: 'l3'"),
+    ("pix2pix", ["--resolution", "big"], "invalid int value: 'big'"),
+    ("pix2pix", ["--learning_rate", "fast"], "invalid float value: 'fast'"),
+    ("pix2pix", ["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag"),
+    ("text_to_image", ["--conditioning_dropout_prob", "0.1"], "unrecognized arguments: --conditioning_dropout_prob"),
+    ("vae", ["--snr_gamma", "5"], "unrecognized arguments: --snr_gamma"),
+]
+
+
+@pytest.mark.parametrize("task, extra, words", BAD_VALUES)
+def test_bad_values_one_error_line(capsys, task, extra, words):
+    msg = _error(capsys, task, ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", *extra])
+    assert words in msg, msg
 
 
 def test_model_is_required(capsys):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sdx import images
 from sdx.errors import SdxError
 from tests import train_datasets as td
 from train import data
@@ -210,7 +211,7 @@ def test_caption_lists_and_tokenize(tmp_path):
 
 
 def _rgb(cell) -> np.ndarray:
-    return np.asarray(data.decode_image(cell))
+    return np.asarray(images.decode(cell))
 
 
 def test_decode_converts_modes():
@@ -252,8 +253,8 @@ def test_decode_applies_exif_orientation():
 
 @pytest.mark.parametrize("cell", [td.truncated_png(), td.GARBAGE, b"", None, "/no/such/file.png"])
 def test_unreadable_cells(cell):
-    with pytest.raises(data.UnreadableImage):
-        data.decode_image(cell)
+    with pytest.raises(images.UnreadableImage):
+        images.decode(cell)
 
 
 def test_load_image(tmp_path):

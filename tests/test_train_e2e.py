@@ -75,11 +75,23 @@ def _mesh_run(model, data, out: Path, *, resume: bool, processes: int = 1):
     argv = [sys.executable, str(Path(__file__).with_name("mesh_train_child.py")), str(out), *(["--resume"] if resume else []),
             "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data), "--fsdp", "2",
             *FLAGS, "--train_batch_size", "1"]  # per device: 4 samples a step over data 2 x fsdp 2
-    procs = [subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, env={**env, "JAX_PROCESS_ID": str(i)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(processes)]
-    logs = [p.communicate(timeout=900)[0] for p in procs]
+    # each process logs to a file: with pipes read one after the other, a process blocked on a full pipe
+    # would stall the collective the other one waits in
+    out.mkdir(parents=True, exist_ok=True)
+    logs = [out / f"process{i}.log" for i in range(processes)]
+    procs = []
+    for i, log in enumerate(logs):
+        with log.open("w") as sink:
+            procs.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, stdout=sink,
+                                          stderr=subprocess.STDOUT, env={**env, "JAX_PROCESS_ID": str(i)}))
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            p.kill()
     for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-4000:]
+        assert p.returncode == 0, log.read_text()[-4000:]
 
 
 def test_a_mesh_resumes_exactly_and_two_hosts_train_as_one(setup):

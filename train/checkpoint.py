@@ -48,10 +48,13 @@ each writes its own shards, and the primary host commits. Nothing here is host-s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +62,7 @@ import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint import tree as ocp_tree
 
+from sdx import io
 from sdx.errors import SdxError
 
 STATE, META = "state", "meta"
@@ -77,6 +81,14 @@ def _is_complete(path: Path) -> bool:
 
 def _is_temporary(path: Path) -> bool:
     return ocp.step.TMP_DIR_SUFFIX in path.name
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OS error behind a failed write (tensorstore's is only in the text), or None for another kind."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return e
+    found = re.search(r"os_error_code='?(\d+)", str(e))
+    return OSError(int(found.group(1)), os.strerror(int(found.group(1)))) if found else None
 
 
 def complete_steps(directory: str | os.PathLike) -> list[int]:
@@ -141,6 +153,7 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         self._written: set[int] = set()  # steps this object saved
+        self._in_flight: int | None = None  # the step of the last save started
         self._resumed_from: int | None = None  # the step restored from this directory, if any
         self._closed = False
 
@@ -162,7 +175,7 @@ class Checkpoints:
             meta = json.loads(json.dumps(dict(meta), allow_nan=False))
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint meta must be a JSON-able dict: {e}") from None
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.reload()  # the manager's list of steps, read from disk
         last_good = step - 1 if self._resumed_from is None else min(self._resumed_from, step - 1)
         stale = [s for s in self._manager.all_steps() if s > last_good and s not in self._written]
@@ -170,16 +183,37 @@ class Checkpoints:
             _stderr(f"removing checkpoint {self.path(s)}: an earlier run's, past the step this run started from")
             self._manager.delete(s)
         args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(state), META: ocp.args.JsonSave(meta)})
+        self._in_flight = step
         # force=True to Orbax: the caller decides when to save (Orbax's own policy would skip steps)
-        self._manager.save(step, args=args, force=True)
+        with self._write_errors():
+            self._manager.save(step, args=args, force=True)
         self._written.add(step)
         if force:
             self.wait()
         return True
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; raises what its background write raised."""
-        self._manager.wait_until_finished()
+        """Block until the save in flight (if any) is committed; raises what its background write raised
+        (a write the file system refused, a full disk: `SdxError`)."""
+        with self._write_errors():
+            self._manager.wait_until_finished()
+
+    @contextlib.contextmanager
+    def _write_errors(self) -> Iterator[None]:
+        """A write the file system refused (Orbax reports tensorstore's as ValueError with the OS error in
+        its text) becomes one SdxError; the cut-off checkpoint's temporary folder is removed."""
+        try:
+            yield
+        except (OSError, ValueError, RuntimeError) as e:
+            error = _os_error(e)
+            if error is None:
+                raise
+            step, self._in_flight = self._in_flight, None
+            for leftover in self.directory.glob(f"{step}{ocp.step.TMP_DIR_SUFFIX}*"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            latest = self.latest()
+            kept = f"the newest complete one is {self.path(latest)}" if latest is not None else "no complete one yet"
+            raise SdxError(f"checkpoint: {io.write_error(self.path(step), error)} ({kept})") from None
 
     def close(self) -> None:
         """Wait for the save in flight and release Orbax's threads. Idempotent."""

@@ -22,8 +22,8 @@ Batch (B = the per-host batch size; one key per image column, named by `Columns.
     "row"                         i64[B] its row in the dataset
 
 Per sample, as diffusers' train_text_to_image_sdxl.py / train_instruct_pix2pix.py: decode and convert
-to RGB (EXIF orientation applied; alpha dropped, as PIL's convert("RGB"); 16-bit samples keep their
-high byte, as PIL does for 16-bit RGB); resize the shorter side to `resolution` with PIL's bilinear
+to RGB (`sdx.images.decode`: EXIF orientation applied; alpha dropped, as PIL's convert("RGB"); 16-bit
+samples keep their high byte, as PIL does for 16-bit RGB); resize the shorter side to `resolution` with PIL's bilinear
 filter (antialiased; what torchvision's Resize does to a PIL image, longer side int(res * long / short));
 flip horizontally with probability 1/2 (`random_flip`); crop `resolution` square at the center
 (torchvision's CenterCrop rounding) or at a uniformly random place. The flip comes before the crop, so
@@ -59,72 +59,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import json
 import os
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from sdx.errors import SdxError
+from sdx.images import UnreadableImage, decode as decode_image
 from train.sources import Columns, Example, Source, open_source
 
 __all__ = ["Columns", "Example", "Source", "open_source", "Transform", "Geometry", "Loader", "make_loader",
-           "decode_image", "load_image", "UnreadableImage"]
+           "load_image"]
 
 STATE_FORMAT = "sdx.train.data/1"
 MAX_CONSECUTIVE_UNREADABLE = 10_000
 LOG_FIRST_SKIPS = 10
 LOG_SKIPS_EVERY = 100
-
-
-class UnreadableImage(Exception):
-    """An image cell that cannot be decoded (the sample is skipped)."""
-
-
-def decode_image(cell: bytes | str | os.PathLike | None) -> Image.Image:
-    """Encoded bytes or a file path -> an RGB PIL image; UnreadableImage with the reason otherwise."""
-    if cell is None:
-        raise UnreadableImage("empty cell")
-    if isinstance(cell, (bytes, bytearray, memoryview)) and len(cell) == 0:
-        raise UnreadableImage("zero bytes")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # palette transparency, EXIF, decompression-bomb warnings
-            src = io.BytesIO(cell) if isinstance(cell, (bytes, bytearray, memoryview)) else cell
-            with Image.open(src) as im:
-                im.load()
-                if im.width == 0 or im.height == 0:
-                    raise UnreadableImage(f"{im.width}x{im.height} pixels")
-                try:
-                    if im.getexif().get(0x0112, 1) != 1:  # EXIF orientation: show it upright
-                        im = ImageOps.exif_transpose(im)
-                except Exception:  # a broken EXIF block: keep the stored orientation
-                    pass
-                return to_rgb(im)
-    except UnreadableImage:
-        raise
-    except FileNotFoundError:
-        raise UnreadableImage(f"no such file {cell}") from None
-    except Exception as e:  # PIL raises many types for corrupt data; any of them means "unreadable"
-        raise UnreadableImage(f"{type(e).__name__}: {e}") from None
-
-
-def to_rgb(im: Image.Image) -> Image.Image:
-    """PIL's convert("RGB") (alpha dropped, CMYK and palettes converted), except that 16- and 32-bit
-    integer greyscale keeps the high byte of 16-bit values instead of being clipped at 255."""
-    if im.mode == "RGB":
-        return im
-    if im.mode.startswith("I;16") or im.mode == "I":
-        a = np.asarray(im).astype(np.int64)
-        if im.mode.startswith("I;16") or a.max(initial=0) > 255:
-            a = a >> 8
-        im = Image.fromarray(np.clip(a, 0, 255).astype(np.uint8), "L")
-    return im.convert("RGB")
 
 
 @dataclasses.dataclass(frozen=True)

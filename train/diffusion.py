@@ -183,6 +183,9 @@ def open_data(cfg: TrainConfig) -> "sources.Source":
     else:
         columns = sources.Columns(images=(cfg.image_column,), text=cfg.caption_column, names=("pixels",))
     spec = cfg.dataset_name or cfg.train_data_dir
-    if cfg.task == "pix2pix" and cfg.validation_prompt and not Path(cfg.val_image_url_or_path).is_file():
-        raise SdxError(f"--val_image_url_or_path {cfg.val_image_url_or_path}: no such file")
+    if cfg.task == "pix2pix" and cfg.validation_prompt:  # decoded now, not first at the first validation
+        try:
+            data.load_image(cfg.val_image_url_or_path, cfg.resolution)
+        except SdxError as e:
+            raise SdxError(f"--val_image_url_or_path {e}") from None
     return sources.open_source(spec, columns, max_samples=cfg.max_train_samples, seed=cfg.seed, cache_dir=cfg.cache_dir)

@@ -25,7 +25,7 @@ import numpy as np
 
 from convert.sources import check_vae_architecture, read_vae_source
 from pipelines.demo import random_parts, write_pipeline
-from sdx import model_folder, presets, weights
+from sdx import io, model_folder, presets, weights
 from sdx.errors import ArgumentParser, SdxError
 from sdx.layers import F32
 from train import data, loop, sources
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         raise SdxError(f"--output_dir {out} already holds a model; give --overwrite to replace it")
     if args.scaling_data and not args.vae:
         raise SdxError("--scaling_data measures a trained VAE: give --vae too")
-    loop.check_output_dir(out.parent)
+    io.check_writable(out, "--output_dir")
     parts = random_parts(preset, args.seed, ("unet", *preset.text_encoders))
     parts["vae"] = trained_vae(args.vae, preset) if args.vae else random_parts(preset, args.seed, ("vae",))["vae"]
     if args.scaling_data:

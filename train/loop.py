@@ -17,9 +17,9 @@ encoders), the loss, validation and what is exported. Everything here is the sam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +29,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from sdx import io
 from sdx import mesh as meshlib
 from sdx.errors import SdxError, run_command
 from train import checkpoint, data, lr, optimizer, signals
@@ -100,16 +101,6 @@ def ema_config(cfg: TrainConfig) -> emalib.EMAConfig | None:
                             use_warmup=cfg.ema_use_warmup, inv_gamma=cfg.ema_inv_gamma, power=cfg.ema_power)
 
 
-def check_output_dir(path: Path) -> None:
-    """The output folder must be creatable and writable (checked before anything heavy runs)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise SdxError(f"--output_dir {path}: cannot create it ({e.strerror or e})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise SdxError(f"--output_dir {path}: not writable")
-
-
 def validation_due(cfg: TrainConfig, step: int, sched: Schedule) -> bool:
     if cfg.validation_steps:
         return step % cfg.validation_steps == 0
@@ -120,7 +111,7 @@ def validation_due(cfg: TrainConfig, step: int, sched: Schedule) -> bool:
 def run(cfg: TrainConfig, make_task, open_data) -> int:
     """make_task(cfg, mesh, log) -> Task; open_data(cfg) -> data.Source (columns checked)."""
     out = Path(cfg.output_dir)
-    check_output_dir(out)
+    io.check_writable(out, "--output_dir")  # created once the model has loaded: a bad input writes nothing
     source = open_data(cfg)
     meshlib.initialize()
     mesh = meshlib.make_mesh(cfg.fsdp)
@@ -129,6 +120,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     metrics_log = print if jax.process_index() == 0 else (lambda *_: None)
 
     task = make_task(cfg, mesh, metrics_log)
+    out.mkdir(parents=True, exist_ok=True)
     graphdef, params = nnx.split(task.module, nnx.Param)
     tx, lr_schedule = make_optimizer(cfg, sched.total)
     ema = ema_config(cfg)
@@ -163,27 +155,33 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
 
     host_batch = first
     stopped = False
-    with signals.GracefulStop() as stop:
-        for step in range(start + 1, sched.total + 1):
-            t0 = time.perf_counter()
-            state, values = compiled(state, task.step_batch(host_batch), seed_key)
-            values = {k: float(v) for k, v in jax.device_get(values).items()}
-            dt = time.perf_counter() - t0
-            values.update(step_time=dt, images_per_s=sched.per_step / dt, skipped=float(loader.skipped))
-            metrics.log(step, values)
-            if not math.isfinite(values["loss"]):
-                raise SdxError(f"the loss became {values['loss']} at step {step}; lower --learning_rate")
-            if step % cfg.checkpointing_steps == 0 or step == sched.total:
-                save(step)
-            if (cfg.validation_prompt or cfg.task == "vae") and validation_due(cfg, step, sched):
-                task.validate(module_for_export(graphdef, state), step, metrics)
-            if step < sched.total and stop.requested_anywhere():
-                save(step, force=True)
-                stopped = True
-                break
-            if step < sched.total:
-                host_batch = next(it)
-    ckpts.wait()
+    try:
+        with signals.GracefulStop() as stop:
+            for step in range(start + 1, sched.total + 1):
+                t0 = time.perf_counter()
+                state, values = compiled(state, task.step_batch(host_batch), seed_key)
+                values = {k: float(v) for k, v in jax.device_get(values).items()}
+                dt = time.perf_counter() - t0
+                values.update(step_time=dt, images_per_s=sched.per_step / dt, skipped=float(loader.skipped))
+                metrics.log(step, values)
+                if not math.isfinite(values["loss"]):
+                    raise SdxError(f"the loss became {values['loss']} at step {step}; lower --learning_rate")
+                if step % cfg.checkpointing_steps == 0 or step == sched.total:
+                    save(step)
+                if (cfg.validation_prompt or cfg.task == "vae") and validation_due(cfg, step, sched):
+                    task.validate(module_for_export(graphdef, state), step, metrics)
+                if step < sched.total and stop.requested_anywhere():
+                    save(step, force=True)
+                    stopped = True
+                    break
+                if step < sched.total:
+                    host_batch = next(it)
+        ckpts.wait()
+    except BaseException:  # the progress bar closes first: an error prints on its own line
+        metrics.close()
+        with contextlib.suppress(Exception):  # a failed save raises again here; its error is the one in flight
+            ckpts.close()
+        raise
     if stopped:
         metrics.close()
         print(f"stopped at step {step}; continue with --resume_from_checkpoint latest", file=sys.stderr)

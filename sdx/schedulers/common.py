@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sdx.config import FLAG, NAME, NATURAL, Kind, check_types, is_list, is_number, optional
 from sdx.errors import SdxError
 
 # ----------------------------------------------------------------------------------------------------------
@@ -218,6 +220,15 @@ _BETA_SCHEDULES = ("linear", "scaled_linear", "squaredcos_cap_v2")
 _SPACINGS = ("leading", "trailing", "linspace")
 # Fields that describe the model rather than the sampler: a sampler without them must not drop them.
 _MODEL_FIELDS = {"rescale_betas_zero_snr": False, "timestep_type": "discrete"}
+_MAX_TRAIN_TIMESTEPS = 100_000  # the tables are this long (every model: 1000)
+# the JSON kind of each annotation the scheduler dataclasses use (infinities are meaningful: diffusers'
+# lambda_min_clipped defaults to -inf)
+_REAL: Kind = ("a number", lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v))
+_FIELD_KINDS: dict[str, Kind] = {
+    "bool": FLAG, "int": NATURAL, "float": _REAL, "float | None": optional(_REAL), "str": NAME,
+    "tuple[float, ...] | None": optional(("a non-empty list of numbers", lambda v: is_list(v, is_number))),
+    "tuple[int, ...]": ("a list of integers >= 0", lambda v: isinstance(v, tuple) and all(NATURAL[1](x) for x in v)),
+}
 
 
 def check_field(cls: type, name: str, value: Any, allowed) -> None:
@@ -285,11 +296,23 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         cls = type(self)
+        check_types(f"scheduler config ({cls.diffusers_class})", self.__dict__,
+                    {f.name: _FIELD_KINDS[f.type] for f in dataclasses.fields(self)})
+        if not 2 <= self.num_train_timesteps <= _MAX_TRAIN_TIMESTEPS:
+            raise SdxError(f"scheduler config: num_train_timesteps={self.num_train_timesteps} must be in "
+                           f"[2, {_MAX_TRAIN_TIMESTEPS}]")
+        if not (0 <= self.beta_start < 1 and 0 <= self.beta_end < 1):
+            raise SdxError(f"scheduler config: beta_start={self.beta_start} and beta_end={self.beta_end} must lie "
+                           "in [0, 1)")
+        if self.trained_betas is not None and not all(0 < b < 1 for b in self.trained_betas):
+            raise SdxError("scheduler config: trained_betas must all lie in (0, 1)")
+        for name in ("sigma_min", "sigma_max"):  # the Karras ladder's ends, in the samplers that read them
+            value = getattr(self, name, None)
+            if value is not None and not 0 <= value < math.inf:
+                raise SdxError(f"scheduler config: {name}={value} must be a finite noise level >= 0")
         check_field(cls, "beta_schedule", self.beta_schedule, _BETA_SCHEDULES)
         check_field(cls, "prediction_type", self.prediction_type, cls.prediction_types)
         check_field(cls, "timestep_spacing", self.timestep_spacing, _SPACINGS)
-        if self.num_train_timesteps < 2:
-            raise SdxError(f"scheduler config: num_train_timesteps={self.num_train_timesteps} must be >= 2")
 
     @functools.cached_property
     def alphas_cumprod(self) -> np.ndarray:
@@ -303,6 +326,11 @@ class Scheduler:
             betas = _torch_linspace_f32(self.beta_start**0.5, self.beta_end**0.5, n) ** 2
         else:
             betas = _cosine_betas(n)
+        if len(betas) != n or not np.all((betas > 0) & (betas < 1)):
+            source = "trained_betas" if self.trained_betas is not None else (
+                f"beta_schedule={self.beta_schedule!r}, beta_start={self.beta_start}, beta_end={self.beta_end}")
+            raise SdxError(f"scheduler config: {source} gives {len(betas)} betas, not all in (0, 1); a noise "
+                           f"schedule needs num_train_timesteps={n} betas strictly between 0 and 1")
         zero_snr = getattr(self, "rescale_betas_zero_snr", False)  # a field of most samplers, not all
         if zero_snr:
             betas = _rescale_zero_terminal_snr(betas)
