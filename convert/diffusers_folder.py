@@ -249,6 +249,28 @@ def _listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
 
 
+def read_model_folder(
+    folder: Path, library: str = "diffusers", variant: str | None = None
+) -> tuple[dict[str, Any], weights.SourceTensors]:
+    """One model's folder (a pipeline's unet/, a VAE or ControlNet repo): its config.json and the tensors
+    of its chosen weights (`choose_weights`), memory-mapped, with their diffusers/transformers keys."""
+    config = io.read_json(folder / "config.json", obj=True)
+    return config, read_weights(folder, choose_weights(_listing(folder), library, variant, where=str(folder)))
+
+
+def model_files(
+    listing: Collection[str], subfolders: Collection[str], variant: str | None, *, where: str
+) -> list[str] | None:
+    """From a repo's file list (repo-relative paths): config.json and the chosen weights of the first of
+    `subfolders` ("" for the root, "vae/", ...) that has a config.json; None when none has."""
+    for sub in subfolders:
+        if f"{sub}config.json" in listing:
+            names = [f[len(sub):] for f in listing if f.startswith(sub) and "/" not in f[len(sub):]]
+            choice = choose_weights(names, "diffusers", variant, where=f"{where}: {sub or '/'}")
+            return [f"{sub}config.json", *(sub + f for f in choice.files)]
+    return None
+
+
 def read_diffusers_folder(
     folder: str | Path, *, variant: str | None = None, log: Callable[[str], None] | None = None
 ) -> Checkpoint:
@@ -269,13 +291,11 @@ def read_diffusers_folder(
     for name, (library, _cls) in index.components.items():
         sub = folder / name
         if name in model_folder.MODEL_KINDS:
-            config = io.read_json(sub / "config.json", obj=True)
-            choice = choose_weights(_listing(sub), library, variant, where=str(sub))
-            t = read_weights(sub, choice)
+            config, t = read_model_folder(sub, library, variant)
             if name in NORMALIZE:
                 t = NORMALIZE[name](t)
             configs[name], tensors[name] = config, t
-            log(f"{name}: {len(t)} tensors from {name}/{choice.file}")
+            log(f"{name}: {len(t)} tensors from {name}/{Path(t.where).name}")
         elif name in model_folder.TOKENIZERS:
             model_folder.check_tokenizer_folder(sub, where=str(folder / MODEL_INDEX))
             tokenizers[name] = sub

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from convert import diffusers_folder, hub, sdx_folder
 from convert.checkpoint import Checkpoint
-from sdx import io, model_folder, presets
+from sdx import model_folder, presets
 from sdx.errors import SdxError
 
 Log = Callable[[str], None]
@@ -209,11 +209,9 @@ def resolve_vae(spec: str, *, variant: str | None = None, cache_dir: str | Path 
             if file not in listing:
                 raise SdxError(f"{where} has no file {file}")
             return [file]
-        for sub in ("", "vae/"):
-            if f"{sub}config.json" in listing:
-                names = [f[len(sub):] for f in listing if f.startswith(sub) and "/" not in f[len(sub):]]
-                choice = diffusers_folder.choose_weights(names, "diffusers", variant, where=f"{where}: {sub or '/'}")
-                return [f"{sub}config.json", *(sub + f for f in choice.files)]
+        found = diffusers_folder.model_files(listing, ("", "vae/"), variant, where=where)
+        if found is not None:
+            return found
         raise SdxError(f"{where} is neither a VAE repo (config.json) nor a pipeline repo (vae/config.json); "
                        f"for a single VAE file give --vae {repo}/FILE.safetensors")
 
@@ -249,13 +247,11 @@ def read_vae_source(path: Path, pipeline_vae_config: dict, *, variant: str | Non
     if not (path / "config.json").is_file():
         raise SdxError(f"{where}: not a VAE folder (no config.json), a pipeline folder (no vae/config.json), "
                        "an sdx folder or a VAE file")
-    config = io.read_json(path / "config.json", obj=True)
+    config, tensors = diffusers_folder.read_model_folder(path, "diffusers", variant)
     cls = config.get("_class_name", "AutoencoderKL")
     if cls != "AutoencoderKL":
         raise SdxError(f"{where}: its config.json describes a {cls}, not an AutoencoderKL")
-    names = sorted(p.name for p in path.iterdir() if p.is_file())
-    choice = diffusers_folder.choose_weights(names, "diffusers", variant, where=str(path))
-    return config, diffusers_folder.normalize_vae(diffusers_folder.read_weights(path, choice))
+    return config, diffusers_folder.normalize_vae(tensors)
 
 
 def check_vae_architecture(config: dict, wanted: dict, *, where: str):

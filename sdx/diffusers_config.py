@@ -1,8 +1,8 @@
 """diffusers' and transformers' `config.json` <-> the fields of sdx's architecture configs.
 
-The UNet (`sdx.unet.UNetConfig`), the VAE (`sdx.vae.VAEConfig`) and the CLIP text encoders
-(`sdx.clip.TextEncoderConfig`) read and write the hub's config files through this one module, under
-one policy for every key of such a file:
+The UNet (`sdx.unet.UNetConfig`), the ControlNet (`sdx.controlnet.ControlNetConfig`), the VAE
+(`sdx.vae.VAEConfig`) and the CLIP text encoders (`sdx.clip.TextEncoderConfig`) read and write the
+hub's config files through this one module, under one policy for every key of such a file:
 
 - honoured: it becomes a field of the sdx config (missing keys take the library's own default);
 - fixed: sdx implements one value (or a few); any other value is an SdxError naming the key;
@@ -182,11 +182,11 @@ UNET_KINDS: dict[str, Kind] = {
 }
 
 
-def _per_level(name: str, value, n: int, kind) -> tuple:
+def _per_level(name: str, value, n: int, kind, label: str = UNET) -> tuple:
     """diffusers' `int or list` fields as an n-tuple; a list of the wrong length names the field."""
     if isinstance(value, (list, tuple)):
         if len(value) != n:
-            raise SdxError(f"{UNET}: {name} has {len(value)} entries but there are {n} levels (block_out_channels)")
+            raise SdxError(f"{label}: {name} has {len(value)} entries but there are {n} levels (block_out_channels)")
         return tuple(kind(v) for v in value)
     return (kind(value),) * n
 
@@ -200,20 +200,21 @@ def _strip_alias(block_type):
     return block_type[7:] if isinstance(block_type, str) and block_type.startswith("UNetRes") else block_type
 
 
-def unet_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-    """`UNetConfig` keyword arguments from a diffusers `unet/config.json` dict."""
+def unet_fields(d: Mapping[str, Any], label: str = UNET) -> dict[str, Any]:
+    """`UNetConfig` keyword arguments from a diffusers `unet/config.json` dict; `label` names the file in
+    errors (a ControlNet's config passes its UNet fields through here)."""
     class_name = d.get("_class_name")
     if class_name not in (None, "UNet2DConditionModel", "FlaxUNet2DConditionModel"):
-        raise SdxError(f"{UNET}: _class_name {class_name!r} is not a UNet2DConditionModel")
-    check_known(UNET, d, UNET_DEFAULTS)
+        raise SdxError(f"{label}: _class_name {class_name!r} is not a UNet2DConditionModel")
+    check_known(label, d, UNET_DEFAULTS)
     f = {**UNET_DEFAULTS, **{k: v for k, v in d.items() if not _private(k)}}
-    check_fixed(UNET, f, UNET_FIXED)
+    check_fixed(label, f, UNET_FIXED)
     if f["norm_num_groups"] is None:
-        raise SdxError(f"{UNET}: norm_num_groups=None (no output norm) is not implemented in sdx")
+        raise SdxError(f"{label}: norm_num_groups=None (no output norm) is not implemented in sdx")
     heads = f["attention_head_dim"]
     if heads is None or (isinstance(heads, (list, tuple)) and any(h is None for h in heads)):
-        raise SdxError(f"{UNET}: attention_head_dim=None is not implemented (heads must be given per level)")
-    check_types(UNET, f, UNET_KINDS)
+        raise SdxError(f"{label}: attention_head_dim=None is not implemented (heads must be given per level)")
+    check_types(label, f, UNET_KINDS)
     boc = tuple(f["block_out_channels"])
     n = len(boc)
     tlpb = f["transformer_layers_per_block"]
@@ -222,7 +223,7 @@ def unet_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     else:
         tlpb = (int(tlpb),) * n
     if len(tlpb) != n:
-        raise SdxError(f"{UNET}: transformer_layers_per_block has {len(tlpb)} entries but there are {n} levels")
+        raise SdxError(f"{label}: transformer_layers_per_block has {len(tlpb)} entries but there are {n} levels")
     rev = f["reverse_transformer_layers_per_block"]
     if rev is not None:
         rev = tuple(_layer_counts(v) for v in rev)
@@ -234,12 +235,12 @@ def unet_fields(d: Mapping[str, Any]) -> dict[str, Any]:
         down_block_types=tuple(_strip_alias(t) for t in f["down_block_types"]),
         up_block_types=tuple(_strip_alias(t) for t in f["up_block_types"]),
         mid_block_type=f["mid_block_type"],
-        layers_per_block=_per_level("layers_per_block", f["layers_per_block"], n, int),
+        layers_per_block=_per_level("layers_per_block", f["layers_per_block"], n, int, label),
         transformer_layers_per_block=tlpb,
         reverse_transformer_layers_per_block=rev,
-        num_attention_heads=_per_level("attention_head_dim", heads, n, int),
-        cross_attention_dim=_per_level("cross_attention_dim", f["cross_attention_dim"], n, int),
-        only_cross_attention=_per_level("only_cross_attention", f["only_cross_attention"], n, bool),
+        num_attention_heads=_per_level("attention_head_dim", heads, n, int, label),
+        cross_attention_dim=_per_level("cross_attention_dim", f["cross_attention_dim"], n, int, label),
+        only_cross_attention=_per_level("only_cross_attention", f["only_cross_attention"], n, bool, label),
         use_linear_projection=bool(f["use_linear_projection"]),
         upcast_attention=bool(f["upcast_attention"]),
         norm_num_groups=int(f["norm_num_groups"]),
@@ -265,6 +266,86 @@ def unet_to_diffusers(fields: Mapping[str, Any]) -> dict[str, Any]:
     ours = {k: v for k, v in fields.items() if k != "num_attention_heads"}
     d = {**UNET_DEFAULTS, **ours, "attention_head_dim": fields["num_attention_heads"]}
     return {"_class_name": "UNet2DConditionModel", **_plain_dict(d)}
+
+
+# --------------------------------------------------------------------------------------------------
+# ControlNetModel (diffusers)
+#
+# A ControlNet is the encoder half of the UNet it steers (diffusers' `ControlNetModel.from_unet` copies
+# conv_in, the embeddings, the down blocks and the mid block) plus an embedding of the conditioning image.
+# Its config.json holds that half's UNet fields, read by `unet_fields` under the UNet's rules, and four
+# fields of its own.
+
+CONTROLNET = "controlnet config"
+
+# The UNet fields ControlNetModel.__init__ takes; its defaults are UNet2DConditionModel's (diffusers 0.42).
+CONTROLNET_UNET_FIELDS = (
+    "in_channels", "flip_sin_to_cos", "freq_shift", "down_block_types", "mid_block_type", "only_cross_attention",
+    "block_out_channels", "layers_per_block", "downsample_padding", "mid_block_scale_factor", "act_fn",
+    "norm_num_groups", "norm_eps", "cross_attention_dim", "transformer_layers_per_block", "encoder_hid_dim",
+    "encoder_hid_dim_type", "attention_head_dim", "num_attention_heads", "use_linear_projection",
+    "class_embed_type", "addition_embed_type", "addition_time_embed_dim", "num_class_embeds", "upcast_attention",
+    "resnet_time_scale_shift", "projection_class_embeddings_input_dim", "addition_embed_type_num_heads",
+)
+# The ControlNet's own fields, with ControlNetModel.__init__'s defaults.
+CONTROLNET_OWN: dict[str, Any] = {
+    "conditioning_channels": 3,
+    "conditioning_embedding_out_channels": (16, 32, 96, 256),
+    "global_pool_conditions": False,
+    "controlnet_conditioning_channel_order": "rgb",
+}
+# diffusers 0.42 ControlNetModel.__init__ defaults (tests check this table against diffusers).
+CONTROLNET_DEFAULTS: dict[str, Any] = {**{k: UNET_DEFAULTS[k] for k in CONTROLNET_UNET_FIELDS}, **CONTROLNET_OWN}
+CONTROLNET_KINDS: dict[str, Kind] = {
+    "conditioning_channels": COUNT, "conditioning_embedding_out_channels": COUNT_LIST,
+    "global_pool_conditions": FLAG, "controlnet_conditioning_channel_order": NAME,
+    # one value for every level: ControlNetModel.__init__ fails on a list
+    "layers_per_block": DEPTH, "cross_attention_dim": COUNT,
+    # the head count when given (the UNet refuses it; ControlNetModel takes `num_attention_heads or attention_head_dim`)
+    "num_attention_heads": optional(COUNTS),
+    # read before `unet_fields` to mirror the up half
+    "down_block_types": NAMES, "transformer_layers_per_block": _LAYER_COUNTS,
+}
+CONTROLNET_FIXED: dict[str, tuple[Any, ...]] = {
+    "controlnet_conditioning_channel_order": ("rgb", "bgr"),
+    "mid_block_type": ("UNetMidBlock2DCrossAttn", "UNetMidBlock2D"),  # ControlNetModel refuses null
+}
+
+
+def _mirrored_up_half(down_block_types, transformer_layers_per_block) -> dict[str, Any]:
+    """The up-block fields of a UNet whose down half is the ControlNet's: its down half mirrored. A
+    `UNetConfig` needs an up half to be whole; a ControlNet never builds it."""
+    up = [_CROSS_UP if _strip_alias(t) == _CROSS_DOWN else _UP for t in reversed(down_block_types)]
+    tlpb = transformer_layers_per_block
+    if DEPTH[1](tlpb) or all(DEPTH[1](v) for v in tlpb):
+        return {"up_block_types": up}
+    # per-resnet counts in a down level: the up half needs its own (one count per level will do)
+    return {"up_block_types": up, "reverse_transformer_layers_per_block": [
+        v if DEPTH[1](v) else v[0] for v in reversed(tlpb)
+    ]}
+
+
+def controlnet_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """`ControlNetConfig` keyword arguments from a diffusers ControlNetModel `config.json` dict; the UNet
+    part is `UNetConfig` keyword arguments under "unet"."""
+    class_name = d.get("_class_name")
+    if class_name not in (None, "ControlNetModel", "FlaxControlNetModel"):
+        raise SdxError(f"{CONTROLNET}: _class_name {class_name!r} is not implemented in sdx (only ControlNetModel)")
+    check_known(CONTROLNET, d, CONTROLNET_DEFAULTS)
+    f = {**CONTROLNET_DEFAULTS, **{k: v for k, v in d.items() if not _private(k)}}
+    check_types(CONTROLNET, f, CONTROLNET_KINDS)
+    check_fixed(CONTROLNET, f, CONTROLNET_FIXED)
+    unet = {k: f[k] for k in CONTROLNET_UNET_FIELDS if k != "num_attention_heads"}
+    if f["num_attention_heads"] is not None:
+        unet["attention_head_dim"] = f["num_attention_heads"]
+    unet.update(_mirrored_up_half(f["down_block_types"], f["transformer_layers_per_block"]))
+    return dict(
+        unet=unet_fields(unet, CONTROLNET),
+        conditioning_channels=int(f["conditioning_channels"]),
+        conditioning_embedding_out_channels=tuple(f["conditioning_embedding_out_channels"]),
+        global_pool_conditions=bool(f["global_pool_conditions"]),
+        controlnet_conditioning_channel_order=f["controlnet_conditioning_channel_order"],
+    )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,7 +2,10 @@
 
 One module, `UNet2DConditionModel`, mirrors diffusers' class of the same name: its attribute paths are
 diffusers' state-dict keys (`down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q`), so loading a
-checkpoint is `sdx.weights.load_torch_state` with no rename table. Tensors are NHWC.
+checkpoint is `sdx.weights.load_torch_state` with no rename table. Tensors are NHWC. Its encoder half
+(conv_in, embeddings, down and mid blocks) is `UNetEncoder`, which `sdx.controlnet.ControlNetModel`
+shares; the ControlNet's residuals come back in as `down_block_additional_residuals` /
+`mid_block_additional_residual`.
 
 The architecture is a frozen `UNetConfig`. Its fields are diffusers' config fields with every per-level
 value spelled out as a tuple, and one rename that undoes a diffusers naming accident:
@@ -19,7 +22,7 @@ rules for every field of diffusers' file are in `sdx.diffusers_config`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -389,15 +392,17 @@ class UpBlock2D(nnx.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-class UNet2DConditionModel(nnx.Module):
-    """eps/v prediction network. sample (B, H, W, C_in) NHWC -> (B, H, W, C_out) in `cp.dtype`.
-
-    H and W need not be multiples of `config.downscale_factor` (odd sizes are upsampled back to the
-    skip connection's size, as in diffusers).
+class UNetEncoder(nnx.Module):
+    """The half of a UNet that diffusers' ControlNetModel copies (`ControlNetModel.from_unet`): conv_in, the
+    time embedding (plus SDXL's added embedding), the down blocks and the mid block, with their input
+    checks and the remat switch. `UNet2DConditionModel` adds the up path; `sdx.controlnet.ControlNetModel`
+    the conditioning image's embedding and the zero convolutions. Attribute names are diffusers' keys.
     """
 
-    def __init__(self, config: UNetConfig, cp: Compute = F32, *, rngs: nnx.Rngs):
-        c = self.config = config
+    label: ClassVar[str] = "unet"  # the model's name in error messages
+
+    def __init__(self, config: UNetConfig, cp: Compute, *, rngs: nnx.Rngs):
+        c = config
         self.compute = cp  # what the model carries, so callers never infer the compute dtype from a kernel
         self.remat = cp.remat
         self.dtype = cp.dtype
@@ -411,34 +416,53 @@ class UNet2DConditionModel(nnx.Module):
         cins = (boc[0],) + boc[:-1]
         self.down_blocks = nnx.List([DownBlock2D(cp, c, i, cins[i], rngs=rngs) for i in range(c.levels)])
         self.mid_block = MidBlock2D(cp, c, rngs=rngs) if c.mid_block_type is not None else None
-        self.up_blocks = nnx.List([UpBlock2D(cp, c, i, rngs=rngs) for i in range(c.levels)])
-        self.conv_norm_out = GroupNorm(cp, boc[0], c.norm_num_groups, c.norm_eps, rngs=rngs)
-        self.conv_out = conv(cp, boc[0], c.out_channels, c.conv_out_kernel, rngs=rngs)
+
+    @property
+    def unet_config(self) -> UNetConfig:
+        """The architecture of this half (a UNet's own config; a ControlNet's `config.unet`)."""
+        return self.config
+
+    def _check_inputs(self, sample, encoder_hidden_states) -> int:
+        """The batch size, after checking the sample's layout and the context's width."""
+        c = self.unet_config
+        if sample.ndim != 4 or sample.shape[-1] != c.in_channels:
+            raise SdxError(f"{self.label}: sample must be (B, H, W, {c.in_channels}) NHWC, got {tuple(sample.shape)}")
+        b = sample.shape[0]
+        ctx = encoder_hidden_states
+        widths = sorted({c.cross_attention_dim[i] for i in c.attention_levels})  # what the context must be
+        if ctx.ndim != 3 or ctx.shape[0] != b or any(w != ctx.shape[-1] for w in widths):
+            raise SdxError(
+                f"{self.label}: encoder_hidden_states must be (B={b}, S, {'/'.join(map(str, widths)) or 'any'}), "
+                f"got {tuple(ctx.shape)}"
+            )
+        return b
 
     def _check_added_cond(self, batch: int, added_cond) -> None:
-        c = self.config
+        c = self.unet_config
         if self.add_embedding is None:
             return
         if not added_cond or "text_embeds" not in added_cond or "time_ids" not in added_cond:
             raise SdxError(
-                "unet: this model (addition_embed_type 'text_time', SDXL) needs added_cond="
+                f"{self.label}: this model (addition_embed_type 'text_time', SDXL) needs added_cond="
                 "{'text_embeds': (B, P), 'time_ids': (B, N)}"
             )
         text, time_ids = added_cond["text_embeds"], added_cond["time_ids"]
         got = text.shape[-1] + time_ids.shape[-1] * c.addition_time_embed_dim
         if got != c.projection_class_embeddings_input_dim or text.shape[0] != batch or time_ids.shape[0] != batch:
             raise SdxError(
-                f"unet: text_embeds {tuple(text.shape)} and time_ids {tuple(time_ids.shape)} give "
+                f"{self.label}: text_embeds {tuple(text.shape)} and time_ids {tuple(time_ids.shape)} give "
                 f"{got} conditioning features; this model takes {c.projection_class_embeddings_input_dim} "
                 f"for a batch of {batch} (base SDXL: 6 time ids, refiner: 5)"
             )
 
     def _embed(self, timesteps, batch: int, added_cond) -> jax.Array:
         """The time embedding (B, time_embed_dim), plus SDXL's pooled-text-and-size embedding."""
-        c = self.config
+        c = self.unet_config
         t = jnp.asarray(timesteps).reshape(-1)
         if t.shape[0] not in (1, batch):
-            raise SdxError(f"unet: {t.shape[0]} timesteps for a batch of {batch} (give one, or one per sample)")
+            raise SdxError(
+                f"{self.label}: {t.shape[0]} timesteps for a batch of {batch} (give one, or one per sample)"
+            )
         self._check_added_cond(batch, added_cond)
         t = jnp.broadcast_to(t, (batch,))
         emb = self.time_embedding(
@@ -459,38 +483,83 @@ class UNet2DConditionModel(nnx.Module):
             return nnx.remat(lambda b, *a: b(*a, **static))(block, *args)
         return block(*args, **static)
 
+    def _down(self, x, temb, context) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """The down blocks on conv_in's output x: (their output, the skip connections: x, then each block's)."""
+        skips: tuple = (x,)
+        for block in self.down_blocks:
+            x, res = self._run(block, x, temb, context)
+            skips += res
+        return x, skips
+
+
+def _add_residual(name: str, x: jax.Array, residual: jax.Array) -> jax.Array:
+    """x + a ControlNet residual of x's shape, or one that broadcasts to it ((B, 1, 1, C) when pooled)."""
+    shape = tuple(residual.shape)
+    if len(shape) != 4 or any(r not in (1, s) for r, s in zip(shape, x.shape)):
+        raise SdxError(f"unet: {name} has shape {shape}, the UNet's activation there is {tuple(x.shape)}")
+    return x + residual.astype(x.dtype)
+
+
+class UNet2DConditionModel(UNetEncoder):
+    """eps/v prediction network. sample (B, H, W, C_in) NHWC -> (B, H, W, C_out) in `cp.dtype`.
+
+    H and W need not be multiples of `config.downscale_factor` (odd sizes are upsampled back to the
+    skip connection's size, as in diffusers).
+    """
+
+    def __init__(self, config: UNetConfig, cp: Compute = F32, *, rngs: nnx.Rngs):
+        self.config = config
+        super().__init__(config, cp, rngs=rngs)
+        c, boc = config, config.block_out_channels
+        self.up_blocks = nnx.List([UpBlock2D(cp, c, i, rngs=rngs) for i in range(c.levels)])
+        self.conv_norm_out = GroupNorm(cp, boc[0], c.norm_num_groups, c.norm_eps, rngs=rngs)
+        self.conv_out = conv(cp, boc[0], c.out_channels, c.conv_out_kernel, rngs=rngs)
+
     def __call__(
         self,
         sample: jax.Array,
         timesteps: jax.Array | float | int,
         encoder_hidden_states: jax.Array,
         added_cond: Mapping[str, jax.Array] | None = None,
+        down_block_additional_residuals: Sequence[jax.Array] | None = None,
+        mid_block_additional_residual: jax.Array | None = None,
     ) -> jax.Array:
         """sample (B, H, W, C_in); timesteps () or (B,); encoder_hidden_states (B, S, D);
-        added_cond {"text_embeds": (B, P), "time_ids": (B, N)} for SDXL. -> (B, H, W, C_out)."""
+        added_cond {"text_embeds": (B, P), "time_ids": (B, N)} for SDXL. -> (B, H, W, C_out).
+
+        down_block_additional_residuals, mid_block_additional_residual: a ControlNet's outputs
+        (`sdx.controlnet.ControlNetModel`, in the order it returns them), both or neither. As in diffusers'
+        forward, the first are added to the skip connections once the down blocks have run, the second
+        to the mid block's output.
+        """
         c = self.config
-        if sample.ndim != 4 or sample.shape[-1] != c.in_channels:
-            raise SdxError(f"unet: sample must be (B, H, W, {c.in_channels}) NHWC, got {tuple(sample.shape)}")
-        b, hh, ww = sample.shape[:3]
-        ctx = encoder_hidden_states
-        widths = sorted({c.cross_attention_dim[i] for i in c.attention_levels})  # what the context must be
-        if ctx.ndim != 3 or ctx.shape[0] != b or any(w != ctx.shape[-1] for w in widths):
+        if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
             raise SdxError(
-                f"unet: encoder_hidden_states must be (B={b}, S, {'/'.join(map(str, widths)) or 'any'}), "
-                f"got {tuple(ctx.shape)}"
+                "unet: down_block_additional_residuals and mid_block_additional_residual come together "
+                "(a ControlNet's two outputs)"
             )
+        b = self._check_inputs(sample, encoder_hidden_states)
+        hh, ww = sample.shape[1:3]
+        ctx = encoder_hidden_states
         x = sample.astype(self.dtype)
         if c.center_input_sample:
             x = 2 * x - 1.0
         temb = self._embed(timesteps, b, added_cond)
-        x = self.conv_in(x)
-
-        skips: tuple = (x,)
-        for block in self.down_blocks:
-            x, res = self._run(block, x, temb, ctx)
-            skips += res
+        x, skips = self._down(self.conv_in(x), temb, ctx)
+        if down_block_additional_residuals is not None:
+            if len(down_block_additional_residuals) != len(skips):
+                raise SdxError(
+                    f"unet: {len(down_block_additional_residuals)} down_block_additional_residuals for "
+                    f"{len(skips)} skip connections (a ControlNet made for another UNet?)"
+                )
+            skips = tuple(
+                _add_residual(f"down_block_additional_residuals[{i}]", s, r)
+                for i, (s, r) in enumerate(zip(skips, down_block_additional_residuals))
+            )
         if self.mid_block is not None:
             x = self._run(self.mid_block, x, temb, ctx)
+        if mid_block_additional_residual is not None:
+            x = _add_residual("mid_block_additional_residual", x, mid_block_additional_residual)
 
         odd = hh % c.downscale_factor or ww % c.downscale_factor
         for i, block in enumerate(self.up_blocks):
