@@ -46,9 +46,11 @@ PIPELINE_COMPONENTS: dict[str, tuple[str, ...]] = {
     "StableDiffusionPipeline": _SD_COMPONENTS,
     "StableDiffusionImg2ImgPipeline": _SD_COMPONENTS,
     "StableDiffusionInstructPix2PixPipeline": _SD_COMPONENTS,
+    "StableDiffusionInpaintPipeline": _SD_COMPONENTS,
     "StableDiffusionXLPipeline": _XL_COMPONENTS,
     "StableDiffusionXLImg2ImgPipeline": _XL_COMPONENTS,
     "StableDiffusionXLInstructPix2PixPipeline": _XL_COMPONENTS[:7],
+    "StableDiffusionXLInpaintPipeline": _XL_COMPONENTS,
 }
 
 

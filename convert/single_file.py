@@ -8,7 +8,8 @@ key table (`convert.single_file_keys`), and every tensor of the file is either m
 exactly once or matched by a named ignore pattern (EMA copies, DDPM buffers, the VAE's training
 loss, position ids, OpenCLIP's logit scale); anything else is an error listing the keys.
 
-Model types: sdxl_base, sdxl_refiner, sdxl_pix2pix, sd15, pix2pix, sd21_v, sd21, and vae (a
+Model types: sdxl_base, sdxl_refiner, sdxl_pix2pix, sdxl_inpaint, sd15, pix2pix, sd15_inpaint, sd21_v,
+sd21, sd2_inpaint (the inpainting types: a 9-channel conv_in), and vae (a
 standalone VAE file with `encoder.*`/`decoder.*` keys, as distributed for `--vae`). SD 2.x files
 look the same whether trained for v-prediction (2.x at 768 px) or epsilon (2.x-base at 512 px).
 sdx follows diffusers here: an SD 2.x file is taken as the 768 px v-prediction model (diffusers
@@ -62,10 +63,13 @@ _SD2_OPEN_CLIP = "cond_stage_model.model.ln_final.weight"
 _SD1_CLIP = "cond_stage_model.transformer.text_model.final_layer_norm.weight"
 MODEL_TYPES: dict[str, tuple[str, str, dict[str, int | None]]] = {
     "sdxl_pix2pix": ("sdxl", "sdxl_pix2pix", {_XL_BIG_G: None, _CONV_IN: 8}),
+    "sdxl_inpaint": ("sdxl", "sdxl_inpaint", {_XL_BIG_G: None, _CONV_IN: 9}),
     "sdxl_base": ("sdxl", "sdxl_base", {_XL_BIG_G: None, _CONV_IN: 4}),
     "sdxl_refiner": ("sdxl_refiner", "sdxl_refiner", {_REFINER_BIG_G: None, _CONV_IN: 4}),
     "sd21_v": ("sd2", "sd21_v", {_SD2_OPEN_CLIP: None, _CONV_IN: 4}),
+    "sd2_inpaint": ("sd2", "sd2_inpaint", {_SD2_OPEN_CLIP: None, _CONV_IN: 9}),
     "pix2pix": ("sd1", "pix2pix", {_SD1_CLIP: None, _CONV_IN: 8}),
+    "sd15_inpaint": ("sd1", "sd15_inpaint", {_SD1_CLIP: None, _CONV_IN: 9}),
     "sd15": ("sd1", "sd15", {_SD1_CLIP: None, _CONV_IN: 4}),
     "vae": ("vae", "sd15", {"encoder.conv_in.weight": None, "decoder.conv_out.weight": None}),
 }
@@ -80,7 +84,8 @@ def _shape(value: Any) -> tuple[int, ...]:
 def detect_model_type(shapes: Mapping[str, Any]) -> str:
     """The model type of a single file from its keys: `shapes` maps key -> array or shape.
 
-    The in-channel count of the UNet's conv_in separates InstructPix2Pix (8) from text-to-image (4).
+    The in-channel count of the UNet's conv_in separates InstructPix2Pix (8) and inpainting (9) from
+    text-to-image (4).
     """
     for name, (_, _, markers) in MODEL_TYPES.items():
         ok = True
@@ -99,12 +104,9 @@ def detect_model_type(shapes: Mapping[str, Any]) -> str:
         f"{name}: " + " + ".join(k if c is None else f"{k} with {c} input channels" for k, c in markers.items())
         for name, (_, _, markers) in MODEL_TYPES.items()
     )
-    hint = ""
-    if _CONV_IN in shapes and len(_shape(shapes[_CONV_IN])) > 1 and _shape(shapes[_CONV_IN])[1] == 9:
-        hint = " (its UNet takes 9 input channels: an inpainting model, which sdx does not support)"
     sample = ", ".join(sorted(shapes)[:5])
     raise SdxError(
-        f"unknown single-file layout{hint}; looked for {looked_for}. The file's first keys: {sample or '(none)'}"
+        f"unknown single-file layout; looked for {looked_for}. The file's first keys: {sample or '(none)'}"
     )
 
 

@@ -1,4 +1,4 @@
-"""`python -m sdx.sample`: text-to-image, img2img, SDXL base + refiner and InstructPix2Pix.
+"""`python -m sdx.sample`: text-to-image, img2img, inpainting, SDXL base + refiner and InstructPix2Pix.
 
     python -m sdx.sample --model stabilityai/stable-diffusion-xl-base-1.0 --prompt "a lighthouse" \
         --steps 30 --dtype bfloat16 --output out.png
@@ -6,10 +6,11 @@
 --model takes an sdx folder, a diffusers folder, a single-file checkpoint, a hub id (converted once
 into the cache; --lora, --vae and --config are applied in that conversion), one of the shipped default
 models (`default`, `default-edit`: trained by sdx on its shapes world; without --model, `default`, or
-`default-edit` when --image is given) or a demo model name (`tiny`, `tiny_xl`: random weights, for
+`default-edit` when --image is given without --mask) or a demo model name (`tiny`, `tiny_xl`: random weights, for
 tests). The pipeline type comes from the model;
---image makes it img2img (or InstructPix2Pix for such a model). Bad input ends with one `error:` line
-and exit status 2.
+--image makes it img2img (or InstructPix2Pix for such a model), --image with --mask inpainting (an
+inpainting model's own 9-channel way, or by blending with any other SD/SDXL model). Bad input ends with one
+`error:` line and exit status 2.
 
 The command lives in pipelines/ since it uses convert/ and pipelines/; sdx/sample.py is only its documented
 entry point, which calls `main` at run time (sdx itself imports nothing above it).
@@ -50,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model",
                    help="sdx folder, diffusers folder, single-file checkpoint, hub id, default model (default, "
                         "default-edit) or random-weight demo model (tiny, tiny_xl); without it: default, or "
-                        "default-edit with --image")
+                        "default-edit with --image (without --mask)")
     p.add_argument("--config", metavar="FOLDER",
                    help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
                         "describe it, instead of the built-in preset its keys point to")
@@ -74,7 +75,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-scale", type=float, default=None, help="default 7.5 (5.0 for SDXL)")
     p.add_argument("--guidance-rescale", type=float, default=0.0)
     p.add_argument("--image", help="input image: img2img, or the image an InstructPix2Pix model edits")
-    p.add_argument("--strength", type=float, default=None, help="img2img: how much to change (default 0.8, SDXL 0.3)")
+    p.add_argument("--strength", type=float, default=None,
+                   help="img2img and inpainting: how much to change (default 0.8, SDXL 0.3; inpainting 1.0, SDXL 0.9999)")
+    p.add_argument("--mask", metavar="FILE",
+                   help="inpainting: white repaints, black keeps (resized to the image, greyscale, binarised at 0.5)")
+    p.add_argument("--mask-blur", type=float, default=0.0, metavar="PX",
+                   help="blur the mask by this Gaussian radius first (diffusers' mask_processor.blur)")
     p.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
@@ -177,9 +183,11 @@ def output_paths(output: str, count: int, seed: int, overwrite: bool) -> list[Pa
     return paths
 
 
-def check_flags(args: argparse.Namespace) -> tuple[np.ndarray | None, PIL.Image.Image | None]:
+def check_flags(args: argparse.Namespace) -> tuple[np.ndarray | None, PIL.Image.Image | None, PIL.Image.Image | None]:
     """Refuse bad values of the flags that say what to generate; returns the --latents array and the
-    --image picture (`read_image`), as read here."""
+    --image and --mask pictures, as read here."""
+    from pipelines.masks import read_mask
+
     for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
         value = getattr(args, flag)
         if value is not None and value < 1:
@@ -190,11 +198,18 @@ def check_flags(args: argparse.Namespace) -> tuple[np.ndarray | None, PIL.Image.
         raise SdxError(f"--high-noise-frac {args.high_noise_frac} must be strictly between 0 and 1")
     if args.clip_skip is not None and args.clip_skip < 0:
         raise SdxError(f"--clip-skip {args.clip_skip} must be >= 0")
+    if args.mask_blur < 0:
+        raise SdxError(f"--mask-blur {args.mask_blur} must be >= 0 (a blur radius in pixels)")
+    if args.mask and not args.image:
+        raise SdxError("--mask marks what to repaint in --image: pass --image too")
+    if args.mask and args.refiner:
+        raise SdxError("--mask and --refiner do not go together: inpainting runs one model")
     picture = read_image(args.image) if args.image else None
+    mask = read_mask(args.mask) if args.mask else None
     if args.config and not Path(args.config).is_dir():
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
-    return latents, picture
+    return latents, picture, mask
 
 
 @dataclasses.dataclass
@@ -207,6 +222,7 @@ class Job:
     grid: Path | None = None
     latents: np.ndarray | None = None
     picture: PIL.Image.Image | None = None
+    mask: PIL.Image.Image | None = None
     done: bool = False
 
 
@@ -219,13 +235,13 @@ def check_args(args: argparse.Namespace) -> list[Job]:
         return _prompts_file_jobs(args)
     if not args.prompt:
         raise SdxError("give --prompt (one or more prompts) or --prompts-file FILE")
-    latents, picture = check_flags(args)
+    latents, picture, mask = check_flags(args)
     paths = output_paths(args.output, len(args.prompt) * args.num_images, args.seed, args.overwrite)
     grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
     io.check_writable(paths[0].parent, "--output")
     if grid_path is not None:
         io.check_writable(grid_path.parent, "--grid")
-    return [Job(args, paths, grid_path, latents, picture)]
+    return [Job(args, paths, grid_path, latents, picture, mask)]
 
 
 def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
@@ -242,13 +258,13 @@ def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
     for index, (where, settings) in enumerate(prompts_file.read(args.prompts_file)):
         line = argparse.Namespace(**{**vars(args), **settings})
         try:
-            _, picture = check_flags(line)
+            check_flags(line)
             paths = prompts_file.paths(folder, index, line.num_images)
             done = [False] if args.overwrite else [prompts_file.written(p, line.prompt[0], line.seed, k)
                                                   for k, p in enumerate(paths)]
         except SdxError as e:
             raise SdxError(f"{where}: {e}") from None
-        jobs.append(Job(line, paths, done=all(done)))  # the picture is read again when its turn comes
+        jobs.append(Job(line, paths, done=all(done)))  # the pictures are read again when their turn comes
     return jobs
 
 
@@ -288,7 +304,8 @@ def run(args: argparse.Namespace) -> list[Path]:
     meshlib.initialize()
     mesh = meshlib.make_mesh(args.fsdp)
     options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
-    args.model = args.model or ("default-edit" if args.image or any(job.args.image for job in jobs) else "default")
+    edits = any(job.args.image and not job.args.mask for job in jobs)  # inpainting takes the text-to-image model
+    args.model = args.model or ("default-edit" if edits else "default")
     pipes = _load(args, resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options), mesh, cache, log)
     for job in todo:  # every request is checked against the model before the progress bar opens
         job.args.model = args.model
@@ -350,27 +367,32 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> lis
 
 
 def _request(job: Job, pipe):
-    """The job's `Request`, checked against the model (the --image is read again for a prompts-file line)."""
+    """The job's `Request`, checked against the model (--image and --mask are read again for a prompts-file
+    line)."""
+    from pipelines.masks import fit_mask, read_mask
     from pipelines.request import Request, validate
 
     a = job.args
     picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
+    mask_picture = job.mask if job.mask is not None or not a.mask else read_mask(a.mask)
     size = (a.height, a.width) if a.height and a.width else None
     image = fit_image(picture, a.image, size, pipe.multiple) if picture is not None else None
+    mask = fit_mask(mask_picture, image.shape[1:3], a.mask_blur) if mask_picture is not None else None
     if image is not None:
         height, width = image.shape[1:3]
     else:
         height = a.height if a.height is not None else pipe.default_size
         width = a.width if a.width is not None else pipe.default_size
     xl = pipe.family.xl
+    default_strength = (0.9999 if xl else 1.0) if mask is not None else (0.3 if xl else 0.8)  # diffusers' defaults
     request = Request(
         prompts=a.prompt, prompts_2=a.prompt_2, negative_prompts=a.negative_prompt,
         negative_prompts_2=a.negative_prompt_2, height=height, width=width, steps=a.steps,
         num_images_per_prompt=a.num_images, batch_size=a.batch_size, seed=a.seed,
         guidance_scale=a.guidance_scale if a.guidance_scale is not None else (5.0 if xl else 7.5),
         image_guidance_scale=a.image_guidance_scale, guidance_rescale=a.guidance_rescale,
-        strength=a.strength if a.strength is not None else (0.3 if xl else 0.8),
-        image=image, latents=job.latents,
+        strength=a.strength if a.strength is not None else default_strength,
+        image=image, mask=mask, latents=job.latents,
         original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
         aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
         clip_skip=a.clip_skip, long_prompt=a.long_prompt,
@@ -407,7 +429,8 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
             "size": f"{request.width}x{request.height}", "model": a.model, "dtype": a.dtype,
         }
-        for key in ("prompt_2", "negative_prompt_2", "image", "refiner", "latents", "clip_skip", "lora", "vae"):
+        for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
+                    "lora", "vae"):
             if getattr(a, key, None):
                 params[key] = getattr(a, key)
         if a.image and pipe.family.pix2pix:

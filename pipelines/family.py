@@ -1,8 +1,9 @@
 """What kind of pipeline a model folder holds, decided once from its spec (never from flags).
 
-SD 1.x/2.x, SDXL base, the SDXL refiner and InstructPix2Pix (SD and SDXL) differ in which text encoders
-condition the UNet, whether the UNet takes added (pooled + micro-conditioning) inputs, and whether an
-image's latents are concatenated to its input. Everything else is shared.
+SD 1.x/2.x, SDXL base, the SDXL refiner, InstructPix2Pix and inpainting (SD and SDXL) differ in which
+text encoders condition the UNet, whether the UNet takes added (pooled + micro-conditioning) inputs, and
+what is concatenated to its input: an image's latents (InstructPix2Pix) or a mask and the masked image's
+latents (inpainting models, 9 input channels). Everything else is shared.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import dataclasses
 
 from sdx.errors import SdxError
 
-_KNOWN = {
-    "StableDiffusionPipeline": (False, False),
-    "StableDiffusionImg2ImgPipeline": (False, False),
-    "StableDiffusionInstructPix2PixPipeline": (False, True),
-    "StableDiffusionXLPipeline": (True, False),
-    "StableDiffusionXLImg2ImgPipeline": (True, False),
-    "StableDiffusionXLInstructPix2PixPipeline": (True, True),
+_KNOWN = {  # pipeline class -> (xl, pix2pix, inpaint)
+    "StableDiffusionPipeline": (False, False, False),
+    "StableDiffusionImg2ImgPipeline": (False, False, False),
+    "StableDiffusionInstructPix2PixPipeline": (False, True, False),
+    "StableDiffusionInpaintPipeline": (False, False, True),
+    "StableDiffusionXLPipeline": (True, False, False),
+    "StableDiffusionXLImg2ImgPipeline": (True, False, False),
+    "StableDiffusionXLInstructPix2PixPipeline": (True, True, False),
+    "StableDiffusionXLInpaintPipeline": (True, False, True),
 }
 
 # Each encoder reads its own tokenizer; SDXL's encoder i reads prompt i (prompt, prompt_2).
@@ -27,7 +30,9 @@ TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 @dataclasses.dataclass(frozen=True)
 class Family:
     """xl: SDXL conditioning (penultimate hidden states of every encoder concatenated, pooled text embeds
-    and time ids as added inputs); pix2pix: the UNet also takes the input image's latents; aesthetic:
+    and time ids as added inputs); pix2pix: the UNet also takes the input image's latents; inpaint: the
+    UNet also takes the mask and the masked image's latents (an ordinary model inpaints by blending the
+    known region's latents in after every step instead, see `pipelines.sampler`); aesthetic:
     time ids end with an aesthetic score (the refiner) instead of the target size; encoders: the text
     encoders present, in prompt order; force_zeros: a missing negative prompt means zero embeddings;
     scaled_image_latents: the pix2pix image latents are multiplied by the VAE's scaling factor (CosXL
@@ -39,17 +44,18 @@ class Family:
     encoders: tuple[str, ...]
     force_zeros: bool
     scaled_image_latents: bool = False
+    inpaint: bool = False
 
     @property
     def name(self) -> str:
         base = ("sdxl_refiner" if self.aesthetic else "sdxl") if self.xl else "sd"
-        return f"{base}_pix2pix" if self.pix2pix else base
+        return f"{base}_pix2pix" if self.pix2pix else f"{base}_inpaint" if self.inpaint else base
 
 
 def family_of(pipeline_class: str, models: set[str] | dict, extra: dict) -> Family:
     if pipeline_class not in _KNOWN:
         raise SdxError(f"pipeline class {pipeline_class!r} is not supported (supported: {', '.join(sorted(_KNOWN))})")
-    xl, pix2pix = _KNOWN[pipeline_class]
+    xl, pix2pix, inpaint = _KNOWN[pipeline_class]
     encoders = tuple(e for e in ("text_encoder", "text_encoder_2") if e in models)
     if not encoders:
         raise SdxError(f"{pipeline_class}: the model has no text encoder")
@@ -60,4 +66,5 @@ def family_of(pipeline_class: str, models: set[str] | dict, extra: dict) -> Fami
         encoders=encoders,
         force_zeros=bool(extra.get("force_zeros_for_empty_prompt", False)) if xl else False,
         scaled_image_latents=bool(extra.get("is_cosxl_edit", False)),
+        inpaint=inpaint,
     )

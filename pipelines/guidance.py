@@ -32,8 +32,9 @@ from pipelines.family import Family
 @dataclasses.dataclass(frozen=True)
 class Conditioning:
     """What the UNet is conditioned on, batch first: context (B, S, D); pooled (B, P), SDXL's pooled text
-    embedding, or None; time_ids (B, N), SDXL's micro-conditioning ((B, 0) otherwise); image (B, h, w, C),
-    InstructPix2Pix's image latents, or None."""
+    embedding, or None; time_ids (B, N), SDXL's micro-conditioning ((B, 0) otherwise); image (B, h, w, K):
+    channels concatenated to the UNet's input (InstructPix2Pix's image latents, or an inpainting model's
+    mask and masked-image latents), or None."""
 
     context: jax.Array
     pooled: jax.Array | None
@@ -74,7 +75,7 @@ class Guidance:
         raise NotImplementedError
 
     def model_input(self, latents: jax.Array, cond: Conditioning) -> jax.Array:
-        """latents (B, h, w, C) -> (B * branches, h, w, C), plus the image latents' channels for InstructPix2Pix."""
+        """latents (B, h, w, C) -> (B * branches, h, w, C + K), with `cond.image`'s K channels appended."""
         x = jnp.repeat(latents, self.branches, axis=0)  # (B*n, h, w, C), image-major like `cond`
         return x if cond.image is None else jnp.concatenate([x, cond.image.astype(x.dtype)], axis=-1)
 

@@ -25,7 +25,8 @@ from sdx.schedulers import Scheduler, denoising_range
 @dataclasses.dataclass
 class Request:
     """What to generate. Sizes in pixels; `image` (N, H, W, 3) float32 in [-1, 1] with N = 1 or one per
-    prompt; `latents` (images, h, w, C) float32 initial noise in sdx layout (NHWC), before the
+    prompt; `mask` (N, H, W, 1) float32, 1.0 where the image is repainted (`pipelines.masks.fit_mask`),
+    for inpainting; `latents` (images, h, w, C) float32 initial noise in sdx layout (NHWC), before the
     scheduler's init_noise_sigma; `init_latents` (images, h, w, C) to continue (refiner hand-over)."""
 
     prompts: Sequence[str]
@@ -45,6 +46,7 @@ class Request:
     denoising_start: float | None = None
     denoising_end: float | None = None
     image: np.ndarray | None = None
+    mask: np.ndarray | None = None
     latents: np.ndarray | None = None
     init_latents: np.ndarray | None = None
     original_size: tuple[int, int] | None = None
@@ -106,6 +108,18 @@ def validate(r: Request, family: Family, factor: int, multiple: int) -> None:
             raise SdxError(f"{name} {v}: this model takes sizes that are positive multiples of {multiple} pixels")
     if family.pix2pix and r.image is None:
         raise SdxError("an InstructPix2Pix model edits an image: pass --image")
+    if family.inpaint and (r.image is None or r.mask is None):
+        raise SdxError("an inpainting model repaints the masked part of an image: pass --image and --mask")
+    if r.mask is not None:
+        if r.image is None:
+            raise SdxError("--mask marks what to repaint in --image: pass --image too")
+        if family.pix2pix:
+            raise SdxError("--mask: an InstructPix2Pix model edits the whole image; inpaint with a text-to-image "
+                           "or an inpainting model")
+        if r.init_latents is not None or r.denoising_start is not None:
+            raise SdxError("--mask: inpainting does not continue given latents (no --refiner)")
+        if r.mask.shape[0] not in (1, len(r.prompts)) or r.mask.shape[1:] != (*r.image.shape[1:3], 1):
+            raise SdxError(f"the mask's shape {r.mask.shape} does not fit the image's {r.image.shape}")
     if r.long_prompt not in ("truncate", "chunk"):
         raise SdxError(f"--long-prompt {r.long_prompt!r}: choose truncate or chunk")
     if r.clip_skip is not None and r.clip_skip < 0:
@@ -149,8 +163,8 @@ def batches(
     start = START_NOISE
     if r.init_latents is not None:
         start = START_LATENTS
-    elif r.image is not None and not family.pix2pix:
-        start = START_IMAGE
+    elif r.image is not None and not family.pix2pix and (r.mask is None or r.strength < 1.0):
+        start = START_IMAGE  # inpainting at strength 1 starts from pure noise, as diffusers' is_strength_max
     strength = r.strength if start == START_IMAGE and r.denoising_start is None else 1.0
     begin, end = denoising_range(
         scheduler, r.steps, strength=strength, denoising_start=r.denoising_start, denoising_end=r.denoising_end
@@ -159,6 +173,7 @@ def batches(
         family=family, scheduler=scheduler, guidance=guidance.choose(family, r.guidance_scale, r.image_guidance_scale),
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
         decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
+        inpaint=r.mask is not None,
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
 
@@ -168,12 +183,15 @@ def batches(
         noise_all = np.broadcast_to(r.latents.transpose(0, 2, 3, 1), (n, h, w, r.latents.shape[1]))  # NCHW -> NHWC
     else:
         noise_all = np.asarray(jax.vmap(lambda k: jax.random.normal(k, (h, w, channels)))(keys))
-    image_all = None
+    per_image_array = lambda a: np.repeat(a if a.shape[0] == len(r.prompts) else np.repeat(a, len(r.prompts), 0),
+                                          r.num_images_per_prompt, axis=0)  # (1 or prompts, ...) -> (n, ...)
+    image_all = mask_all = None
     if start == START_LATENTS:
         image_all = np.broadcast_to(r.init_latents.transpose(0, 2, 3, 1), (n, h, w, r.init_latents.shape[1]))
     elif r.image is not None:
-        per_prompt_image = r.image if r.image.shape[0] == len(r.prompts) else np.repeat(r.image, len(r.prompts), 0)
-        image_all = np.repeat(per_prompt_image, r.num_images_per_prompt, axis=0)
+        image_all = per_image_array(r.image)
+    if r.mask is not None:
+        mask_all = per_image_array(r.mask)
 
     time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
     neg_time_ids = np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids
@@ -193,6 +211,7 @@ def batches(
             time_ids=take(time_ids),
             negative_time_ids=take(neg_time_ids),
             image=take(image_all).astype(np.float32) if image_all is not None else np.zeros((0, 0, 0, 0), np.float32),
+            mask=take(mask_all).astype(np.float32) if mask_all is not None else np.zeros((0, 0, 0, 0), np.float32),
             state=state,
         )
         out.append((plan, inputs, min(batch, n - b0)))

@@ -2,10 +2,15 @@
 
 - prepare (text encoders, VAE encoder): token ids -> the UNet batch of conditioning the guidance lays
   out; the initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's
-  image latents.
+  image latents; inpainting's mask and masked-image latents.
 - denoise (UNet): `chunk` model calls (UNet, guidance, scheduler step, as a `lax.fori_loop`) from the
   call the scheduler state has reached; the latents and scheduler state are donated from one call to
   the next.
+
+Inpainting, as diffusers' StableDiffusion(XL)InpaintPipeline: a 9-channel inpainting UNet reads the
+latents, the mask (the pixel mask at latent size) and the masked image's latents concatenated; an
+ordinary 4-channel model instead has the known region put back after every step: the input image's
+latents noised to the level of the next call (clean after the last), outside the mask.
 - decode (VAE decoder): latents -> images.
 
 Non-finite values are caught, never written as black images: each model call records, per image, the
@@ -58,7 +63,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import guidance, text
+from pipelines import guidance, masks, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
@@ -72,7 +77,8 @@ class Stream(enum.IntEnum):
     """The `fold_in` constant of each draw taken from an image's key (its initial noise is the key's own)."""
 
     STEP_NOISE = 1  # stochastic samplers' noise, then folded with the call index
-    POSTERIOR = 2  # img2img's VAE posterior sample
+    POSTERIOR = 2  # img2img's (and inpainting's) VAE posterior sample of the input image
+    MASKED_POSTERIOR = 3  # inpainting models: the VAE posterior sample of the masked image
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +90,8 @@ class Plan:
     guidance: the branches each UNet call evaluates and how they combine;
     start: "noise" (text-to-image), "image" (img2img: encode, then noise to the first call's level),
     "latents" (continue given latents as they are: the refiner after the base);
-    decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt.
+    decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt;
+    inpaint: a mask says what to repaint (`Inputs.mask`).
     """
 
     family: Family
@@ -100,6 +107,7 @@ class Plan:
     decode: bool = True
     chunks: int = 1
     clip_skip: int | None = None
+    inpaint: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -112,7 +120,8 @@ class Inputs:
     noise; keys: (B, 2) uint32, each image's PRNG key; scales: the guidance scales; time_ids /
     negative_time_ids: (B, 5 or 6) SDXL micro-conditioning (zeros (B, 0) otherwise); image: (B, H, W, 3)
     in [-1, 1] for img2img and InstructPix2Pix, (B, h, w, C) latents for start="latents", (B, 0, 0, 0)
-    otherwise; state: the scheduler's tables for calls [begin, end).
+    otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; state: the
+    scheduler's tables for calls [begin, end).
     """
 
     ids: dict[str, jax.Array]
@@ -124,6 +133,7 @@ class Inputs:
     time_ids: jax.Array
     negative_time_ids: jax.Array
     image: jax.Array
+    mask: jax.Array
     state: State
 
 
@@ -152,13 +162,25 @@ class Sampled:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Known:
+    """Inpainting with a 4-channel model: the input image's latents (B, h, w, C), the latent-size mask
+    (B, h, w, 1), 1.0 where repainted, and the initial noise (B, h, w, C) they are noised with."""
+
+    latents: jax.Array
+    mask: jax.Array
+    noise: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class Fixed:
     """What every model call reads and none changes: the UNet batch's conditioning (B * branches rows),
-    each image's key (B, 2), the guidance scales."""
+    each image's key (B, 2), the guidance scales, and what a 4-channel model's inpainting puts back."""
 
     cond: Conditioning
     keys: jax.Array
     scales: Scales
+    known: Known | None = None
 
 
 def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
@@ -183,29 +205,46 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
     encoders = {name: models[name] for name in fam.encoders}
 
     context, pooled = text.encode(fam, encoders, inputs.ids, plan.clip_skip, dtype)
-    image_latents = None
+    extra = None  # channels concatenated to the UNet's input
     if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
-        image_latents = vae.encode(inputs.image).mode()
+        extra = vae.encode(inputs.image).mode()
         if fam.scaled_image_latents:
-            image_latents = image_latents * vae.config.scaling_factor
-        image_latents = image_latents.astype(dtype)
-    cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), image_latents)
+            extra = extra * vae.config.scaling_factor
+    elif fam.inpaint:  # the mask and the masked image's latents (masked pixels 0, mid-grey)
+        masked = _sample_latents(vae, inputs.image * (inputs.mask < 0.5), inputs.keys, Stream.MASKED_POSTERIOR)
+        extra = jnp.concatenate([masks.latent_mask(inputs.mask, vae.config.downsample_factor), masked], axis=-1)
+    extra = None if extra is None else extra.astype(dtype)
+    cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra)
     negative = None
-    if plan.guidance.branches > 1:
+    if plan.guidance.branches > 1:  # InstructPix2Pix's guidance lays out its image branches itself
         neg_context, neg_pooled = guidance.negative_conditioning(fam, encoders, inputs.negative_ids, inputs.zero_negative, dtype)
-        negative = Conditioning(neg_context, neg_pooled, inputs.negative_time_ids.astype(dtype))
+        negative = Conditioning(neg_context, neg_pooled, inputs.negative_time_ids.astype(dtype),
+                                None if fam.pix2pix else extra)
 
+    blend = plan.inpaint and not fam.inpaint
+    image_latents = None
+    if plan.start == START_IMAGE or blend:
+        image_latents = _sample_latents(vae, inputs.image, inputs.keys, Stream.POSTERIOR)
     if plan.start == START_NOISE:
         x = inputs.noise * state.init_noise_sigma
     elif plan.start == START_IMAGE:
-        posterior = vae.encode(inputs.image)
-        eps = _per_image(inputs.keys, Stream.POSTERIOR, lambda k: jax.random.normal(k, posterior.mean.shape[1:]))
-        z = posterior.mean + posterior.std * eps
-        x = sched.add_noise(state, vae.config.to_latents(z), inputs.noise)
+        x = sched.add_noise(state, image_latents, inputs.noise)
     else:
         x = inputs.image.astype(jnp.float32)
+    known = None
+    if blend:
+        known = Known(image_latents, masks.latent_mask(inputs.mask, vae.config.downsample_factor), inputs.noise)
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
-    return Carry(x, state, first_bad), Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales)
+    fixed = Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales, known)
+    return Carry(x, state, first_bad), fixed
+
+
+def _sample_latents(vae, images: jax.Array, keys: jax.Array, stream: Stream) -> jax.Array:
+    """(B, H, W, 3) images -> (B, h, w, C) scaled latents of a VAE posterior sample, each image's from its
+    own `stream` key (diffusers' `retrieve_latents(..., sample_mode="sample")` times the scaling factor)."""
+    posterior = vae.encode(images)
+    eps = _per_image(keys, stream, lambda k: jax.random.normal(k, posterior.mean.shape[1:]))
+    return vae.config.to_latents(posterior.mean + posterior.std * eps)
 
 
 def _denoise(graphdef, params, carry: Carry, fixed: Fixed, plan: Plan, calls: int) -> tuple[Carry, jax.Array]:
@@ -226,6 +265,9 @@ def _denoise(graphdef, params, carry: Carry, fixed: Fixed, plan: Plan, calls: in
             noise = _per_image(fixed.keys, Stream.STEP_NOISE,
                                lambda k: jax.random.normal(jax.random.fold_in(k, c), x.shape[1:], jnp.float32))
         st, x = sched.step(st, out, x, noise)
+        if fixed.known is not None:  # inpainting with a 4-channel model: the known region at the next call's level
+            known = fixed.known
+            x = (1 - known.mask) * sched.add_noise(st, known.latents, known.noise) + known.mask * x
         newly_bad = (carry.first_bad == 0) & ~_finite(x)
         return Carry(x, st, jnp.where(newly_bad, c + 1, carry.first_bad))
 
@@ -311,6 +353,7 @@ class Sampler:
             time_ids=batched(inputs.time_ids),
             negative_time_ids=batched(inputs.negative_time_ids),
             image=batched(inputs.image) if np.shape(inputs.image)[0] else rep(inputs.image),
+            mask=batched(inputs.mask) if np.shape(inputs.mask)[0] else rep(inputs.mask),
             state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
         )
 

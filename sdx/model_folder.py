@@ -124,9 +124,11 @@ PIPELINES: dict[str, PipelineKind] = {
     "StableDiffusionPipeline": _SD,
     "StableDiffusionImg2ImgPipeline": _SD,
     "StableDiffusionInstructPix2PixPipeline": _SD,
+    "StableDiffusionInpaintPipeline": _SD,
     "StableDiffusionXLPipeline": _SDXL,
     "StableDiffusionXLImg2ImgPipeline": _SDXL,  # the refiner has no first text encoder
     "StableDiffusionXLInstructPix2PixPipeline": _SDXL,
+    "StableDiffusionXLInpaintPipeline": _SDXL,
 }
 
 

@@ -305,6 +305,29 @@ _add(
     extra={"force_zeros_for_empty_prompt": True},
     tokenizers={"tokenizer": _OPENAI_TOKENIZER, "tokenizer_2": _OPEN_CLIP_TOKENIZER},
 )
+# Inpainting: the base architectures with a 9-channel conv_in (noisy latents, the mask, the masked
+# image's latents), as runwayml/stable-diffusion-inpainting, stabilityai/stable-diffusion-2-inpainting and
+# diffusers/stable-diffusion-xl-1.0-inpainting-0.1 publish them.
+_add(
+    "sd15_inpaint", "runwayml/stable-diffusion-inpainting", "StableDiffusionInpaintPipeline",
+    {"unet": {**_SD1_UNET, "in_channels": 9}, "vae": _vae(sample_size=512), "text_encoder": _CLIP_L,
+     "scheduler": _PNDM},
+    tokenizers={"tokenizer": _OPENAI_TOKENIZER},
+)
+_add(
+    "sd2_inpaint", "stabilityai/stable-diffusion-2-inpainting", "StableDiffusionInpaintPipeline",
+    {"unet": {**_SD2_UNET, "in_channels": 9, "sample_size": 64, "upcast_attention": False},
+     "vae": _vae(sample_size=512), "text_encoder": _OPEN_CLIP_H, "scheduler": {**_PNDM, "prediction_type": "epsilon"}},
+    extra={"requires_safety_checker": False},
+    tokenizers={"tokenizer": _OPEN_CLIP_TOKENIZER},
+)
+_add(
+    "sdxl_inpaint", "diffusers/stable-diffusion-xl-1.0-inpainting-0.1", "StableDiffusionXLInpaintPipeline",
+    {"unet": {**_SDXL_UNET, "in_channels": 9}, "vae": _SDXL_VAE, "text_encoder": _CLIP_L,
+     "text_encoder_2": _OPEN_CLIP_BIG_G, "scheduler": _SDXL_SCHEDULER},
+    extra={"force_zeros_for_empty_prompt": True, "requires_aesthetics_score": False},
+    tokenizers={"tokenizer": _OPENAI_TOKENIZER, "tokenizer_2": _OPEN_CLIP_TOKENIZER},
+)
 _add(
     "tiny", None, "StableDiffusionPipeline",
     {"unet": _unet(

@@ -28,18 +28,17 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """kind -> (diffusers pipeline, its folder); built once per kind."""
+    """kind -> (diffusers pipeline, its folder), with a near-deterministic VAE posterior; built once per kind."""
     made = {}
 
     def get(kind: str):
         if kind not in made:
             folder = tmp_path_factory.mktemp(kind)
             pipe = make_tiny_pipeline(kind, folder)
-            if kind in ("sd15", "sdxl_refiner"):  # used for img2img: a near-deterministic VAE posterior
-                with torch.no_grad():
-                    c = pipe.vae.config.latent_channels
-                    pipe.vae.quant_conv.bias[c:] = -40.0  # log-variance channels -> clipped to -30
-                pipe.save_pretrained(folder)
+            with torch.no_grad():  # for img2img and inpainting: a near-deterministic VAE posterior
+                c = pipe.vae.config.latent_channels
+                pipe.vae.quant_conv.bias[c:] = -40.0  # log-variance channels -> clipped to -30
+            pipe.save_pretrained(folder)
             made[kind] = (pipe, folder)
         return made[kind]
 

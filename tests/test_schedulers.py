@@ -176,7 +176,7 @@ def test_state_is_a_pytree_of_float32_arrays_and_table_rows_line_up():
     sched = schedulers.from_name("heun", SDXL)
     state = sched.set_timesteps(10, (1, 8, 8, 4), begin=4)
     assert state.num_calls == len(sched.timesteps(10)) - 4 == 15
-    for leaf in (state.timesteps, state.init_noise_sigma, state.start_scales, *state.table.values(),
+    for leaf in (state.timesteps, state.init_noise_sigma, state.noise_scales, *state.table.values(),
                  *state.history.values()):
         assert leaf.dtype == jnp.float32
     assert all(v.shape[0] == state.num_calls for v in state.table.values())

@@ -5,8 +5,9 @@ shapes (the `tiny` / `tiny_xl` presets of `sdx.presets`, varied per kind), moves
 away from its initial value (norm scales off 1, biases off 0: a loader that drops one cannot pass a
 parity test by luck), saves it with `save_pretrained`, and returns the pipeline.
 
-Kinds: sd15, sd21 (epsilon), sd21_v (v-prediction), pix2pix (8-channel conv_in), sdxl,
-sdxl_refiner (second text encoder only, aesthetic-score conditioning), sdxl_pix2pix.
+Kinds: sd15, sd21 (epsilon), sd21_v (v-prediction), pix2pix (8-channel conv_in), sd15_inpaint (9-channel
+conv_in), sdxl, sdxl_refiner (second text encoder only, aesthetic-score conditioning), sdxl_pix2pix,
+sdxl_inpaint.
 
 Tokenizers use the real CLIP BPE vocabulary (49408 tokens), written the way the released hub repos
 ship it: vocab.json + merges.txt + tokenizer_config.json + special_tokens_map.json (pass
@@ -28,7 +29,10 @@ import torch
 from sdx import presets
 from sdx.tokenizer import write_builtin_folder
 
-KINDS = ("sd15", "sd21", "sd21_v", "pix2pix", "sdxl", "sdxl_refiner", "sdxl_pix2pix")
+KINDS = ("sd15", "sd21", "sd21_v", "pix2pix", "sd15_inpaint", "sdxl", "sdxl_refiner", "sdxl_pix2pix", "sdxl_inpaint")
+# the released model each kind shrinks (its pipeline class, scheduler and tokenizers)
+_REAL = {"sd15": "sd15", "sd21": "sd21", "sd21_v": "sd21_v", "pix2pix": "pix2pix", "sd15_inpaint": "sd15_inpaint",
+         "sdxl": "sdxl_base", "sdxl_refiner": "sdxl_refiner", "sdxl_pix2pix": "sdxl_pix2pix", "sdxl_inpaint": "sdxl_inpaint"}
 
 # --------------------------------------------------------------------------------------------------
 # Configs per kind
@@ -40,14 +44,12 @@ def _tiny_configs(kind: str) -> tuple[str, dict, dict, dict]:
         raise ValueError(f"unknown tiny pipeline kind {kind!r}; choose one of {KINDS}")
     xl = kind.startswith("sdxl")
     base = presets.get("tiny_xl" if xl else "tiny")
-    real = presets.get({"sd15": "sd15", "sd21": "sd21", "sd21_v": "sd21_v", "pix2pix": "pix2pix",
-                        "sdxl": "sdxl_base", "sdxl_refiner": "sdxl_refiner", "sdxl_pix2pix": "sdxl_pix2pix"}[kind])
+    real = presets.get(_REAL[kind])
     configs = copy.deepcopy(base.configs)
     configs["scheduler"] = real.configs["scheduler"]
     pads = {name: spec["pad_token"] for name, spec in real.tokenizers.items()}
     unet = configs["unet"]
-    if kind in ("pix2pix", "sdxl_pix2pix"):
-        unet["in_channels"] = 8
+    unet["in_channels"] = real.configs["unet"]["in_channels"]  # 8: InstructPix2Pix, 9: inpainting
     if kind in ("sd21", "sd21_v"):
         # OpenCLIP-H-like text encoder (gelu), linear projections in the transformers, per-level heads.
         configs["text_encoder"]["hidden_act"] = "gelu"

@@ -201,7 +201,8 @@ class State:
     history: dict[str, jax.Array]  # f32[..., *sample.shape]: what a multistep sampler remembers
     index: jax.Array  # i32[]: calls done so far
     init_noise_sigma: jax.Array  # f32[]: text-to-image starts from noise * init_noise_sigma
-    start_scales: jax.Array  # f32[2]: img2img starts from start_scales[0] * x0 + start_scales[1] * noise
+    noise_scales: jax.Array  # f32[calls + 1, 2]: (signal, noise) of the forward process at each call's level,
+    # x_k = noise_scales[k, 0] * x0 + noise_scales[k, 1] * noise; the last row (1, 0) is the clean end
 
     @property
     def timestep(self) -> jax.Array:
@@ -369,7 +370,8 @@ class Scheduler:
             history={k: jnp.zeros((*n, *shape), jnp.float32) for k, n in self._history().items()},
             index=jnp.zeros((), jnp.int32),
             init_noise_sigma=jnp.asarray(self._init_noise_sigma(schedule), jnp.float32),
-            start_scales=jnp.asarray(self._start_scales(schedule, begin), jnp.float32),
+            noise_scales=jnp.asarray([*(self._noise_level(schedule, k) for k in range(begin, end)), (1.0, 0.0)],
+                                     jnp.float32),
         )
 
     def _schedule(self, n: int) -> dict[str, np.ndarray]:
@@ -386,12 +388,12 @@ class Scheduler:
     def _init_noise_sigma(self, schedule: dict[str, np.ndarray]) -> float:
         return 1.0
 
-    def _start_scales(self, schedule: dict[str, np.ndarray], begin: int) -> tuple[float, float]:
-        """(signal, noise) scales of the forward process at call `begin`: from the call's sigma where the
+    def _noise_level(self, schedule: dict[str, np.ndarray], k: int) -> tuple[float, float]:
+        """(signal, noise) scales of the forward process at call `k`: from the call's sigma where the
         schedule has sigmas (DPM-Solver, UniPC), else from alphas_cumprod at its timestep (DDIM, DDPM, PNDM)."""
         if "sigmas" in schedule:
-            return vp_from_sigma(schedule["sigmas"][begin])
-        a = np.float64(self.alphas_cumprod[int(schedule["timesteps"][begin])])
+            return vp_from_sigma(schedule["sigmas"][k])
+        a = np.float64(self.alphas_cumprod[int(schedule["timesteps"][k])])
         return np.sqrt(a), np.sqrt(1 - a)
 
     # -- device: one model call ---------------------------------------------------------------------------
@@ -406,9 +408,10 @@ class Scheduler:
         return sample
 
     def add_noise(self, state: State, original: jax.Array, noise: jax.Array) -> jax.Array:
-        """img2img start: `original` noised to the level of the state's first call, as diffusers'
-        `scheduler.add_noise(x0, noise, timesteps[begin])` after `set_begin_index(begin)`."""
-        signal, sigma = state.start_scales[0], state.start_scales[1]
+        """`original` noised to the level of the state's next call, as diffusers' `scheduler.add_noise(x0,
+        noise, timesteps[i])` after `set_begin_index(begin)`: at the first call the img2img start; after a
+        step, the level inpainting blends the known region at (clean after the last call)."""
+        signal, sigma = state.noise_scales[state.index, 0], state.noise_scales[state.index, 1]
         return (signal * original.astype(jnp.float32) + sigma * noise.astype(jnp.float32)).astype(original.dtype)
 
     def step(self, state: State, model_output: jax.Array, sample: jax.Array,
@@ -438,8 +441,8 @@ class SigmaScheduler(Scheduler):
         top = np.float64(schedule["sigmas"].max())
         return top if self.timestep_spacing in ("linspace", "trailing") else np.sqrt(top**2 + 1)
 
-    def _start_scales(self, schedule, begin):
-        return 1.0, schedule["sigmas"][begin]
+    def _noise_level(self, schedule, k):
+        return 1.0, schedule["sigmas"][k]
 
     def scale_model_input(self, state, sample):
         sigma = state.table["sigma"][state.index]
