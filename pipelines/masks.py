@@ -32,12 +32,10 @@ def read_mask(path: str) -> PIL.Image.Image:
 
 
 def fit_mask(picture: PIL.Image.Image, size: tuple[int, int], blur: float = 0.0) -> np.ndarray:
-    """(1, H, W, 1) float32, 1.0 where the picture is repainted: `picture` blurred by `blur` pixels (0: not),
+    """(1, H, W, 1) float32, 1.0 where the picture is repainted: `picture` blurred by `blur` >= 0 pixels (0: not),
     resized to `size` = (H, W) with Lanczos, greyscale, binarised at 0.5."""
     from PIL import Image, ImageFilter
 
-    if blur < 0:
-        raise SdxError(f"--mask-blur {blur} must be >= 0")
     if blur:
         picture = picture.filter(ImageFilter.GaussianBlur(blur))
     picture = picture.resize((size[1], size[0]), Image.LANCZOS)  # PIL returns a copy when the size is already right

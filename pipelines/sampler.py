@@ -205,6 +205,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
     encoders = {name: models[name] for name in fam.encoders}
 
     context, pooled = text.encode(fam, encoders, inputs.ids, plan.clip_skip, dtype)
+    mask = masks.latent_mask(inputs.mask, vae.config.downsample_factor) if plan.inpaint else None
     extra = None  # channels concatenated to the UNet's input
     if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
         extra = vae.encode(inputs.image).mode()
@@ -212,7 +213,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
             extra = extra * vae.config.scaling_factor
     elif fam.inpaint:  # the mask and the masked image's latents (masked pixels 0, mid-grey)
         masked = _sample_latents(vae, inputs.image * (inputs.mask < 0.5), inputs.keys, Stream.MASKED_POSTERIOR)
-        extra = jnp.concatenate([masks.latent_mask(inputs.mask, vae.config.downsample_factor), masked], axis=-1)
+        extra = jnp.concatenate([mask, masked], axis=-1)
     extra = None if extra is None else extra.astype(dtype)
     cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra)
     negative = None
@@ -231,9 +232,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
         x = sched.add_noise(state, image_latents, inputs.noise)
     else:
         x = inputs.image.astype(jnp.float32)
-    known = None
-    if blend:
-        known = Known(image_latents, masks.latent_mask(inputs.mask, vae.config.downsample_factor), inputs.noise)
+    known = Known(image_latents, mask, inputs.noise) if blend else None
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
     fixed = Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales, known)
     return Carry(x, state, first_bad), fixed
