@@ -1,4 +1,4 @@
-"""`python -m convert SRC OUT`: read any supported source, write the asked format.
+"""`python -m convert SRC OUT`: read any supported source (a pipeline or a ControlNet), write the asked format.
 
 The argument parsing only; the work is `convert.library.convert`. Errors a user can fix are printed
 as one line `error: ...`, exit status 2.
@@ -17,8 +17,8 @@ from sdx.errors import ArgumentParser, run_command
 def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="python -m convert", hint=" (see python -m convert --help)",
-        description="Convert a model (diffusers folder, hub id, single-file checkpoint or sdx folder) into an sdx "
-                    "model folder, a diffusers folder or a single file.",
+        description="Convert a model (diffusers folder, hub id, single-file checkpoint or sdx folder), a pipeline or "
+                    "a ControlNet, into an sdx model folder, a diffusers folder or a single file.",
     )
     p.add_argument("src", metavar="SRC",
                    help="diffusers-layout folder, hub id (org/name), single-file checkpoint (.safetensors, .ckpt) "
@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) for a hub id")
     p.add_argument("--config", metavar="FOLDER", default=None,
                    help="single-file SRC: a diffusers-layout folder whose config.json files (and tokenizers) "
-                        "describe it, instead of the built-in preset")
+                        "describe it, instead of the built-in preset; for a ControlNet file, its diffusers "
+                        "ControlNet folder")
     p.add_argument("--preset", default=None,
                    help="single-file SRC: the built-in preset to read it as, e.g. sd21 for an SD 2.x-base "
                         "(epsilon) file (default: detected from its keys)")

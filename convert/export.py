@@ -90,6 +90,21 @@ def _model_config(name: str, part: model_folder.ModelPart) -> dict[str, Any]:
     return config
 
 
+def write_model(folder: Path, config: Mapping[str, Any], arrays: Mapping[str, Any], *, file: str, cast,
+                out: Path) -> int:
+    """One model in `folder` as diffusers/transformers save it: config.json and `file` (torch keys and
+    layouts, floating tensors cast to `cast`). `arrays`: sdx-keyed, Flax layout. `out`: the folder errors
+    name (`folder` may be its temporary). Returns the number of tensors."""
+    io.atomic_write_json(folder / "config.json", config, sort_keys=True)
+    tensors = weights.to_torch_keys(arrays)
+    items = [(k, weights.lazy_cast(tensors[k], cast)) for k in sorted(tensors)]
+    try:
+        io.write_safetensors(folder / file, items, metadata={"format": "pt"})
+    except OSError as e:
+        raise SdxError(f"cannot write {out / file}: {e.strerror or e}") from None
+    return len(items)
+
+
 def write_diffusers_folder(
     ckpt: Checkpoint,
     out: str | Path,
@@ -112,15 +127,10 @@ def write_diffusers_folder(
     with model_folder.building_folder(out, overwrite=overwrite) as tmp:
         for name, part in parts.items():
             (tmp / name).mkdir()
-            io.atomic_write_json(tmp / name / "config.json", _model_config(name, part), sort_keys=True)
-            tensors = weights.to_torch_keys(part.arrays)
-            items = [(k, weights.lazy_cast(tensors[k], cast)) for k in sorted(tensors)]
             file = WEIGHTS_NAME[LIBRARY[name]]
-            try:
-                io.write_safetensors(tmp / name / file, items, metadata={"format": "pt"})
-            except OSError as e:
-                raise SdxError(f"cannot write {Path(out) / name / file}: {e.strerror or e}") from None
-            log(f"{name}: {len(items)} tensors -> {name}/{file}")
+            count = write_model(tmp / name, _model_config(name, part), part.arrays, file=file, cast=cast,
+                                out=Path(out) / name)
+            log(f"{name}: {count} tensors -> {name}/{file}")
         for name, folder in ckpt.tokenizers.items():
             try:
                 shutil.copytree(Path(folder), tmp / name, symlinks=False)

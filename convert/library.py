@@ -1,7 +1,9 @@
 """The library form of `python -m convert`, and the conversion cache `python -m sdx.sample` uses.
 
 `convert(src, out, fmt=...)` reads any source (`convert.sources`), applies the `ModelOptions` and
-writes one of the formats in `WRITERS`. `ensure_sdx_folder(src)` gives an sdx model folder for any
+writes one of the formats in `WRITERS`. A ControlNet source (`convert.controlnet.read_if_controlnet`: a
+diffusers or sdx ControlNet folder, a hub repo holding one, an original single file) is written in the
+same formats by `convert.controlnet_folder.WRITERS`. `ensure_sdx_folder(src)` gives an sdx model folder for any
 source, converting it once into a cache keyed by the source's identity, the dtype and the options.
 """
 
@@ -12,7 +14,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from convert import export, hub, sdx_folder
+from convert import controlnet, controlnet_folder, export, hub, sdx_folder
 from convert.sources import (
     Log,
     ModelOptions,
@@ -61,9 +63,15 @@ def convert(
     check_output(Path(out), fmt, overwrite=overwrite)
     if variant is None:
         variant = default_variant(dtype)
+    loras, vae = resolved(options, variant=variant, cache_dir=cache_dir, log=log)
+    part = controlnet.read_if_controlnet(src, config=options.config, preset=options.preset, variant=variant,
+                                         revision=revision, cache_dir=cache_dir, log=log)
+    if part is not None:
+        if options.changes_weights:
+            raise SdxError(f"{src}: a ControlNet; --lora and --vae apply to pipelines")
+        return controlnet_folder.WRITERS[fmt](part, out, dtype=dtype, overwrite=overwrite, log=log)
     if fmt == "sdx" and model_folder.is_model_folder(src) and options.empty:
         return model_folder.resave(src, out, dtype=dtype, overwrite=overwrite, log=log)
-    loras, vae = resolved(options, variant=variant, cache_dir=cache_dir, log=log)
     ckpt = read_source(src, variant=variant, revision=revision, cache_dir=cache_dir, config=options.config,
                        preset=options.preset, log=log)
     if not ckpt.pipeline_class and fmt != "single-file":

@@ -151,26 +151,48 @@ def _unet_transformer(d: str, o: str, depth: int) -> list[Entry]:
     return out
 
 
-def unet_entries(config: Mapping[str, Any], prefix: str = UNET_PREFIX) -> list[Entry]:
-    """Every tensor of a diffusers UNet2DConditionModel with `config`, paired with its SGM/LDM key."""
+def _check_unet_config(config: Mapping[str, Any]) -> None:
+    """Refuse the config fields whose values add or rename modules this table does not know."""
     for key, default in _UNET_UNSUPPORTED.items():
         if config.get(key, default) != default:
             raise SdxError(f"UNet config: {key}={config[key]!r} has no single-file layout in sdx")
-    down, up = list(config["down_block_types"]), list(config["up_block_types"])
-    if any(t not in _UNET_DOWN for t in down) or any(t not in _UNET_UP for t in up):
-        raise SdxError(f"UNet config: block types {down} / {up} have no single-file layout in sdx")
     if config.get("mid_block_type", "UNetMidBlock2DCrossAttn") != "UNetMidBlock2DCrossAttn":
         raise SdxError(f"UNet config: mid_block_type={config['mid_block_type']!r} has no single-file layout in sdx")
     if config.get("addition_embed_type") not in (None, "text_time"):
         raise SdxError(f"UNet config: addition_embed_type={config['addition_embed_type']!r} is not supported")
-    channels = list(config["block_out_channels"])
-    levels = len(channels)
-    if len(down) != levels or len(up) != levels:
-        raise SdxError("UNet config: down/up block types and block_out_channels differ in length")
-    layers = config.get("layers_per_block", 2)
-    if not isinstance(layers, int):
-        raise SdxError(f"UNet config: layers_per_block={layers!r} per level has no single-file layout in sdx")
+    if not isinstance(config.get("layers_per_block", 2), int):
+        raise SdxError(f"UNet config: layers_per_block={config['layers_per_block']!r} per level has no single-file "
+                       "layout in sdx")
+
+
+def _blocks(config: Mapping[str, Any], key: str, known: tuple[str, ...]) -> tuple[list[str], list[int]]:
+    """The block types under `key` (down_block_types, up_block_types), checked, and block_out_channels."""
+    types, channels = list(config[key]), list(config["block_out_channels"])
+    if any(t not in known for t in types):
+        raise SdxError(f"UNet config: {key}={types} have no single-file layout in sdx")
+    if len(types) != len(channels):
+        raise SdxError(f"UNet config: {key} and block_out_channels differ in length")
+    return types, channels
+
+
+def _depths(config: Mapping[str, Any], levels: int) -> list[int]:
+    """Transformer layers per level (one count for every block of a level)."""
     depth = _per_level(config.get("transformer_layers_per_block", 1), levels, "transformer_layers_per_block")
+    if not all(isinstance(d, int) for d in depth):
+        raise SdxError(f"UNet config: transformer_layers_per_block={depth!r} per block has no single-file layout "
+                       "in sdx")
+    return depth
+
+
+def unet_encoder_entries(config: Mapping[str, Any], prefix: str = UNET_PREFIX) -> list[Entry]:
+    """The encoder half of a diffusers UNet2DConditionModel with `config` (time and added embeddings,
+    conv_in, down blocks, mid block), paired with SGM/LDM keys: what a ControlNet copies of its UNet.
+    `config` may be a ControlNetModel's, which has the same down-half fields."""
+    _check_unet_config(config)
+    down, channels = _blocks(config, "down_block_types", _UNET_DOWN)
+    levels = len(channels)
+    layers = config.get("layers_per_block", 2)
+    depth = _depths(config, levels)
 
     u = lambda d, o, **kw: _wb("unet", d, prefix + o, **kw)  # noqa: E731
     out = u("time_embedding.linear_1", "time_embed.0") + u("time_embedding.linear_2", "time_embed.2")
@@ -196,8 +218,16 @@ def unet_entries(config: Mapping[str, Any], prefix: str = UNET_PREFIX) -> list[E
     out += _unet_resnet("mid_block.resnets.0", f"{prefix}middle_block.0", mid, mid)
     out += _unet_transformer("mid_block.attentions.0", f"{prefix}middle_block.1", depth[-1])
     out += _unet_resnet("mid_block.resnets.1", f"{prefix}middle_block.2", mid, mid)
+    return out
 
-    rev, rev_depth = channels[::-1], depth[::-1]
+
+def unet_entries(config: Mapping[str, Any], prefix: str = UNET_PREFIX) -> list[Entry]:
+    """Every tensor of a diffusers UNet2DConditionModel with `config`, paired with its SGM/LDM key."""
+    out = unet_encoder_entries(config, prefix)
+    up, channels = _blocks(config, "up_block_types", _UNET_UP)
+    levels = len(channels)
+    layers = config.get("layers_per_block", 2)
+    rev, rev_depth = channels[::-1], _depths(config, levels)[::-1]
     n = 0
     out_ch = rev[0]
     for i, kind in enumerate(up):
@@ -214,7 +244,7 @@ def unet_entries(config: Mapping[str, Any], prefix: str = UNET_PREFIX) -> list[E
                 out += _wb("unet", f"{d}.upsamplers.0.conv", f"{o}.{slot}.conv")
             n += 1
 
-    out += u("conv_norm_out", "out.0") + u("conv_out", "out.2")
+    out += _wb("unet", "conv_norm_out", prefix + "out.0") + _wb("unet", "conv_out", prefix + "out.2")
     return out
 
 

@@ -9,8 +9,9 @@ models (`default`, `default-edit`: trained by sdx on its shapes world; without -
 `default-edit` when --image is given without --mask) or a demo model name (`tiny`, `tiny_xl`: random weights, for
 tests). The pipeline type comes from the model;
 --image makes it img2img (or InstructPix2Pix for such a model), --image with --mask inpainting (an
-inpainting model's own 9-channel way, or by blending with any other SD/SDXL model). Bad input ends with one
-`error:` line and exit status 2.
+inpainting model's own 9-channel way, or by blending with any other SD/SDXL model); --controlnet with
+--control-image guides any of text-to-image, img2img and inpainting with ControlNets. Bad input ends with
+one `error:` line and exit status 2.
 
 The command lives in pipelines/ since it uses convert/ and pipelines/; sdx/sample.py is only its documented
 entry point, which calls `main` at run time (sdx itself imports nothing above it).
@@ -81,6 +82,24 @@ def parser() -> argparse.ArgumentParser:
                    help="inpainting: white repaints, black keeps (resized to the image, greyscale, binarised at 0.5)")
     p.add_argument("--mask-blur", type=float, default=0.0, metavar="PX",
                    help="blur the mask by this Gaussian radius first (diffusers' mask_processor.blur)")
+    p.add_argument("--padding-mask-crop", type=int, metavar="PX",
+                   help="inpaint only a crop around the mask, grown by PX pixels, at the generation size (--height/"
+                        "--width, default the model's), and paste it back into the image (diffusers' padding_mask_crop)")
+    p.add_argument("--controlnet", metavar="MODEL", action="append", default=[],
+                   help="a ControlNet (diffusers or sdx folder, hub id, or original single file) to guide the model "
+                        "with; repeatable, each with its --control-image")
+    p.add_argument("--control-image", metavar="FILE", action="append", default=[],
+                   help="the map a --controlnet reads (edges, depth, pose, ... as the user made it), in the same order; "
+                        "resized to the generation size")
+    p.add_argument("--controlnet-conditioning-scale", metavar="S", type=float, nargs="+",
+                   help="one, or one per --controlnet (default 1.0; img2img 0.8; inpainting 0.5, SDXL 1.0: diffusers')")
+    p.add_argument("--control-guidance-start", metavar="F", type=float, nargs="+", default=[0.0],
+                   help="share of the steps before a ControlNet starts acting: one, or one per --controlnet")
+    p.add_argument("--control-guidance-end", metavar="F", type=float, nargs="+", default=[1.0],
+                   help="share of the steps after which a ControlNet stops acting: one, or one per --controlnet")
+    p.add_argument("--guess-mode", action="store_true",
+                   help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
+                        "blocks and, with guidance, on the text branch only")
     p.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
@@ -183,9 +202,46 @@ def output_paths(output: str, count: int, seed: int, overwrite: bool) -> list[Pa
     return paths
 
 
-def check_flags(args: argparse.Namespace) -> tuple[np.ndarray | None, PIL.Image.Image | None, PIL.Image.Image | None]:
-    """Refuse bad values of the flags that say what to generate; returns the --latents array and the
-    --image and --mask pictures, as read here."""
+def read_control_image(path: str) -> PIL.Image.Image:
+    try:
+        return images.decode(path)
+    except images.UnreadableImage as e:
+        raise SdxError(f"--control-image {path}: cannot read the image ({e})") from None
+
+
+def per_controlnet(values: list[float] | None, n: int, flag: str) -> list[float] | None:
+    """A flag's values given once or once per --controlnet, as one per ControlNet (None stays None)."""
+    if values is None or len(values) == n:
+        return values
+    if len(values) == 1:
+        return values * n
+    raise SdxError(f"{flag}: give one value or one per --controlnet ({n}), not {len(values)}")
+
+
+def check_control_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
+    """Refuse bad ControlNet flags; returns the --control-image pictures, as read here."""
+    n = len(args.controlnet)
+    if len(args.control_image) != n:
+        raise SdxError(f"give one --control-image per --controlnet ({n}), not {len(args.control_image)}")
+    if not n:
+        if args.guess_mode or args.controlnet_conditioning_scale:
+            raise SdxError("--guess-mode and --controlnet-conditioning-scale act on ControlNets: pass --controlnet")
+        return []
+    if args.refiner:
+        raise SdxError("--controlnet and --refiner do not go together: a ControlNet guides one model")
+    from pipelines.control import check_window
+
+    starts = per_controlnet(args.control_guidance_start, n, "--control-guidance-start")
+    ends = per_controlnet(args.control_guidance_end, n, "--control-guidance-end")
+    per_controlnet(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale")
+    for start, end in zip(starts, ends):
+        check_window(start, end)
+    return [read_control_image(path) for path in args.control_image]
+
+
+def check_flags(args: argparse.Namespace) -> tuple:
+    """Refuse bad values of the flags that say what to generate; returns the --latents array, the --image
+    and --mask pictures and the --control-image pictures, as read here."""
     from pipelines.masks import read_mask
 
     for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
@@ -204,12 +260,16 @@ def check_flags(args: argparse.Namespace) -> tuple[np.ndarray | None, PIL.Image.
         raise SdxError("--mask marks what to repaint in --image: pass --image too")
     if args.mask and args.refiner:
         raise SdxError("--mask and --refiner do not go together: inpainting runs one model")
+    if args.padding_mask_crop is not None and (not args.mask or args.padding_mask_crop < 0):
+        raise SdxError(f"--padding-mask-crop {args.padding_mask_crop}: a number of pixels >= 0, with --mask")
     picture = read_image(args.image) if args.image else None
     mask = read_mask(args.mask) if args.mask else None
+    if args.padding_mask_crop is not None and not np.asarray(mask.convert("L")).any():
+        raise SdxError(f"--padding-mask-crop: the mask {args.mask} is black everywhere (nothing to repaint)")
     if args.config and not Path(args.config).is_dir():
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
-    return latents, picture, mask
+    return latents, picture, mask, check_control_flags(args)
 
 
 @dataclasses.dataclass
@@ -223,6 +283,7 @@ class Job:
     latents: np.ndarray | None = None
     picture: PIL.Image.Image | None = None
     mask: PIL.Image.Image | None = None
+    controls: list[PIL.Image.Image] = dataclasses.field(default_factory=list)
     done: bool = False
 
 
@@ -235,13 +296,13 @@ def check_args(args: argparse.Namespace) -> list[Job]:
         return _prompts_file_jobs(args)
     if not args.prompt:
         raise SdxError("give --prompt (one or more prompts) or --prompts-file FILE")
-    latents, picture, mask = check_flags(args)
+    latents, picture, mask, controls = check_flags(args)
     paths = output_paths(args.output, len(args.prompt) * args.num_images, args.seed, args.overwrite)
     grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
     io.check_writable(paths[0].parent, "--output")
     if grid_path is not None:
         io.check_writable(grid_path.parent, "--grid")
-    return [Job(args, paths, grid_path, latents, picture, mask)]
+    return [Job(args, paths, grid_path, latents, picture, mask, controls)]
 
 
 def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
@@ -304,7 +365,8 @@ def run(args: argparse.Namespace) -> list[Path]:
     meshlib.initialize()
     mesh = meshlib.make_mesh(args.fsdp)
     options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
-    edits = any(job.args.image and not job.args.mask for job in jobs)  # inpainting takes the text-to-image model
+    # inpainting and ControlNet img2img take the text-to-image model
+    edits = any(job.args.image and not job.args.mask and not job.args.controlnet for job in jobs)
     args.model = args.model or ("default-edit" if edits else "default")
     pipes = _load(args, resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options), mesh, cache, log)
     for job in todo:  # every request is checked against the model before the progress bar opens
@@ -355,9 +417,9 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> lis
     from convert.sources import ModelOptions
     from pipelines.pipeline import Pipeline
 
-    load = lambda folder, name: Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler,
-                                              attention=args.attention, mesh=mesh, name=name)
-    pipe = load(folder, args.model)
+    load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler,
+                                                    attention=args.attention, mesh=mesh, name=name, **kw)
+    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), cache_dir=cache / "models", log=log)
     if not args.refiner:
         return [pipe]
     if not pipe.family.xl or pipe.family.pix2pix:
@@ -367,24 +429,34 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> lis
 
 
 def _request(job: Job, pipe):
-    """The job's `Request`, checked against the model (--image and --mask are read again for a prompts-file
-    line)."""
-    from pipelines.masks import fit_mask, read_mask
+    """The job's `Request`, checked against the model, and its `pipelines.masks.Crop` with
+    --padding-mask-crop, else None (--image and --mask are read again for a prompts-file line)."""
+    from pipelines.masks import Crop, fit_mask, read_mask
     from pipelines.request import Request, validate
 
     a = job.args
     picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
     mask_picture = job.mask if job.mask is not None or not a.mask else read_mask(a.mask)
+    control_pictures = job.controls or [read_control_image(path) for path in a.control_image]
     size = (a.height, a.width) if a.height and a.width else None
+    blur, crop = a.mask_blur, None
+    if a.padding_mask_crop is not None:  # the crop around the mask, at the asked or the model's size
+        size = (a.height or pipe.default_size, a.width or pipe.default_size)
+        crop = Crop.around(picture, mask_picture, blur, size, a.padding_mask_crop)
+        picture, mask_picture, blur = crop.cut(picture, size), crop.cut(crop.mask, size), 0.0
+        control_pictures = [crop.cut(p, size) for p in control_pictures]
     image = fit_image(picture, a.image, size, pipe.multiple) if picture is not None else None
-    mask = fit_mask(mask_picture, image.shape[1:3], a.mask_blur) if mask_picture is not None else None
+    mask = fit_mask(mask_picture, image.shape[1:3], blur) if mask_picture is not None else None
     if image is not None:
         height, width = image.shape[1:3]
-    else:
-        height = a.height if a.height is not None else pipe.default_size
-        width = a.width if a.width is not None else pipe.default_size
+    else:  # text-to-image: the flags, else the first control image's size (as diffusers), else the model's
+        first = control_pictures[0] if control_pictures else None
+        height = a.height or (first.height // pipe.multiple * pipe.multiple if first else pipe.default_size)
+        width = a.width or (first.width // pipe.multiple * pipe.multiple if first else pipe.default_size)
+    controls = _controls(a, pipe, control_pictures, (height, width), image is not None, mask is not None)
     xl = pipe.family.xl
-    default_strength = (0.9999 if xl else 1.0) if mask is not None else (0.3 if xl else 0.8)  # diffusers' defaults
+    # diffusers' defaults; an SDXL ControlNet img2img pipeline's is 0.8, not 0.3
+    default_strength = (0.9999 if xl else 1.0) if mask is not None else (0.3 if xl and not controls else 0.8)
     request = Request(
         prompts=a.prompt, prompts_2=a.prompt_2, negative_prompts=a.negative_prompt,
         negative_prompts_2=a.negative_prompt_2, height=height, width=width, steps=a.steps,
@@ -395,10 +467,27 @@ def _request(job: Job, pipe):
         image=image, mask=mask, latents=job.latents,
         original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
         aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
-        clip_skip=a.clip_skip, long_prompt=a.long_prompt,
+        clip_skip=a.clip_skip, long_prompt=a.long_prompt, controls=controls, guess_mode=a.guess_mode,
     )
-    validate(request, pipe.family, pipe.factor, pipe.multiple)
-    return request
+    validate(request, pipe.family, pipe.factor, pipe.multiple, len(pipe.controlnets))
+    return request, crop
+
+
+def _controls(a: argparse.Namespace, pipe, pictures: list, size: tuple[int, int], image: bool, mask: bool) -> list:
+    """The request's `Control`s: each --control-image at the generation size, its scale (diffusers' default
+    for the pipeline: 1.0, img2img 0.8, inpainting 0.5 (SDXL 1.0)) and guidance window."""
+    from pipelines.control import Control, fit_control_image
+
+    n = len(pictures)
+    if not n:
+        return []
+    default = (1.0 if pipe.family.xl else 0.5) if mask else 0.8 if image else 1.0
+    scales = per_controlnet(a.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale") or [default] * n
+    starts = per_controlnet(a.control_guidance_start, n, "--control-guidance-start")
+    ends = per_controlnet(a.control_guidance_end, n, "--control-guidance-end")
+    channels = [net.config.conditioning_channels for net in pipe.controlnets]
+    return [Control(fit_control_image(p, size, c), scale, start, end)
+            for p, c, scale, start, end in zip(pictures, channels, scales, starts, ends)]
 
 
 def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
@@ -408,13 +497,15 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
     from pipelines.request import per_prompt
 
     a, pipe = job.args, pipes[0]
-    request = _request(job, pipe)
+    request, crop = _request(job, pipe)
     bad = None
     try:
         images = refine(pipe, pipes[1], request, a.high_noise_frac, bar) if len(pipes) > 1 else pipe(request, bar)
     except NonFiniteImages as e:
         images, bad = np.nan_to_num(e.images), e
     pixels = to_uint8(images)
+    if crop is not None:  # back into the input image, at its size
+        pixels = np.stack([crop.paste(p) for p in pixels])
     scheduler_name = a.scheduler or type(pipe.scheduler).__name__
     negatives = per_prompt(a.negative_prompt, len(a.prompt), "--negative-prompt")
     written = []
@@ -427,16 +518,18 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
             "negative_prompt": negatives[prompt_index] if negatives else None,
             "seed": a.seed, "image_index": i, "steps": a.steps, "scheduler": scheduler_name,
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
-            "size": f"{request.width}x{request.height}", "model": a.model, "dtype": a.dtype,
+            "size": f"{pixels.shape[2]}x{pixels.shape[1]}", "model": a.model, "dtype": a.dtype,
         }
         for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
-                    "lora", "vae"):
+                    "lora", "vae", "controlnet", "control_image", "guess_mode", "padding_mask_crop"):
             if getattr(a, key, None):
                 params[key] = getattr(a, key)
         if a.image and pipe.family.pix2pix:
             params["image_guidance_scale"] = request.image_guidance_scale
         elif a.image:
             params["strength"] = request.strength
+        if request.controls:
+            params["controlnet_conditioning_scale"] = [c.scale for c in request.controls]
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
         written.append(path)

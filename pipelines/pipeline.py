@@ -3,9 +3,9 @@
     pipe = Pipeline.load(folder, dtype="bfloat16")
     images = pipe(Request(prompts=["a lighthouse"], height=1024, width=1024))  # (N, H, W, 3) in [0, 1]
 
-The pipeline type (SD, SDXL, refiner, InstructPix2Pix) comes from the model itself. `refine` runs
-the SDXL base up to `high_noise_frac` and hands its latents to a refiner, as diffusers' ensemble of
-expert denoisers does.
+The pipeline type (SD, SDXL, refiner, InstructPix2Pix, inpainting) comes from the model itself;
+`controlnets` adds ControlNets that guide it (`pipelines.control`). `refine` runs the SDXL base up to
+`high_noise_frac` and hands its latents to a refiner, as diffusers' ensemble of expert denoisers does.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipelines import control
 from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
-from pipelines.sampler import Sampler
+from pipelines.sampler import Sampler, controlnet_name
 from sdx import mesh as meshlib
 from sdx import model_folder, schedulers
 from sdx.errors import SdxError
@@ -47,6 +48,7 @@ class Pipeline:
     channels: int  # latent channels
     default_size: int  # pixels: the UNet's sample_size times the VAE factor (what the model was trained at)
     name: str  # what was loaded, for the PNG metadata
+    controlnets: tuple = ()  # sdx.controlnet.ControlNetModel, in the order requests give their `controls`
 
     @classmethod
     def load(
@@ -60,13 +62,19 @@ class Pipeline:
         mesh=None,
         fsdp: int = 1,
         name: str | None = None,
+        controlnets: tuple[str, ...] = (),
+        cache_dir: str | os.PathLike | None = None,
+        log=None,
     ) -> Pipeline:
         """Load an sdx model folder onto `mesh` (default: every device, `fsdp` of them sharing parameters).
 
-        dtype: the text encoders' and UNet's parameters and activations; vae_dtype: the VAE's (float32
-        by default: the SDXL VAE overflows in float16). scheduler: a `--scheduler` name, or None for
-        the model's own scheduler_config.json.
+        dtype: the text encoders', UNet's and ControlNets' parameters and activations; vae_dtype: the VAE's
+        (float32 by default: the SDXL VAE overflows in float16). scheduler: a `--scheduler` name, or None
+        for the model's own scheduler_config.json. controlnets: ControlNets (`convert.controlnet.load_controlnet`
+        sources: folders, hub ids, single files), downloaded to `cache_dir`.
         """
+        from convert.controlnet import load_controlnet
+
         mesh = mesh or meshlib.make_mesh(fsdp)
         spec = model_folder.read_spec(folder)
         family = family_of(spec["pipeline_class"], set(spec["components"]), spec["extra"])
@@ -82,25 +90,33 @@ class Pipeline:
         sched = schedulers.from_name(scheduler, sched_cfg) if scheduler else schedulers.from_config(sched_cfg)
         tokenizers = {t: model_folder.load_tokenizer(folder, t, spec=spec) for t in ("tokenizer", "tokenizer_2")
                       if t in spec["components"]}
+        nets = []
+        for src in controlnets:
+            net = load_controlnet(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache_dir, log=log)
+            control.check_compatible(net, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
+            nets.append(net)
         return cls.from_models(loaded, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
-                               name=name or str(folder))
+                               name=name or str(folder), controlnets=tuple(nets))
 
     @classmethod
     def from_models(cls, models: dict, *, family: Family, scheduler: schedulers.Scheduler, tokenizers: dict, mesh,
-                    name: str) -> Pipeline:
-        """A pipeline over models already built and placed on `mesh`, {"unet", "vae", encoders...}: what
-        training validates with. Each model runs in the compute dtype it carries (`model.compute`)."""
+                    name: str, controlnets: tuple = ()) -> Pipeline:
+        """A pipeline over models already built and placed on `mesh`, {"unet", "vae", encoders...}, and
+        ControlNets: what training validates with. Each model runs in the compute dtype it carries
+        (`model.compute`)."""
         factor = models["vae"].config.downsample_factor
+        nets = {controlnet_name(k): net for k, net in enumerate(controlnets)}
         return cls(
             family=family,
             scheduler=scheduler,
             tokenizers=tokenizers,
-            sampler=Sampler(models, mesh),
+            sampler=Sampler({**models, **nets}, mesh),
             factor=factor,
             multiple=factor,  # the UNet resizes its up-sampling to its skips, as diffusers' does
             channels=models["vae"].config.latent_channels,
             default_size=_trained_size(models["unet"].config.sample_size) * factor,
             name=name,
+            controlnets=tuple(controlnets),
         )
 
     def __call__(self, request: Request, progress=None) -> np.ndarray:
@@ -108,7 +124,9 @@ class Pipeline:
 
         progress: a tqdm-like bar (`total`, `update(n)`); its total grows by this request's model calls.
         """
-        validate(request, self.family, self.factor, self.multiple)
+        validate(request, self.family, self.factor, self.multiple, len(self.controlnets))
+        if self.controlnets and self.controlnets[0].config.global_pool_conditions:
+            request = dataclasses.replace(request, guess_mode=True)  # as diffusers, from the first ControlNet
         if request.batch_size is None:
             request = dataclasses.replace(request, batch_size=self.fitting_batch(request))
         work = self._work(request)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import guidance, text
+from pipelines import control, guidance, text
+from pipelines.control import Control
 from pipelines.family import Family
 from pipelines.sampler import START_IMAGE, START_LATENTS, START_NOISE, Inputs, Plan
 from sdx.errors import SdxError
@@ -27,7 +28,9 @@ class Request:
     """What to generate. Sizes in pixels; `image` (N, H, W, 3) float32 in [-1, 1] with N = 1 or one per
     prompt; `mask` (N, H, W, 1) float32, 1.0 where the image is repainted (`pipelines.masks.fit_mask`),
     for inpainting; `latents` (images, h, w, C) float32 initial noise in sdx layout (NHWC), before the
-    scheduler's init_noise_sigma; `init_latents` (images, h, w, C) to continue (refiner hand-over)."""
+    scheduler's init_noise_sigma; `init_latents` (images, h, w, C) to continue (refiner hand-over);
+    `controls`: one `Control` per ControlNet of the pipeline, in order; `guess_mode`: diffusers' (see
+    `pipelines.control`)."""
 
     prompts: Sequence[str]
     height: int
@@ -60,6 +63,8 @@ class Request:
     clip_skip: int | None = None
     long_prompt: str = "truncate"
     output_latents: bool = False
+    controls: Sequence[Control] = ()
+    guess_mode: bool = False
 
     @property
     def num_images(self) -> int:
@@ -93,8 +98,8 @@ def _time_ids(family: Family, r: Request, negative: bool) -> list[float]:
     return [*original, *crops, *target]
 
 
-def validate(r: Request, family: Family, factor: int, multiple: int) -> None:
-    """Fail early, in the user's terms, on what the models cannot take."""
+def validate(r: Request, family: Family, factor: int, multiple: int, controlnets: int = 0) -> None:
+    """Fail early, in the user's terms, on what the models cannot take (`controlnets`: the pipeline's)."""
     if not r.prompts:
         raise SdxError("give at least one prompt")
     if r.steps < 1:
@@ -135,6 +140,23 @@ def validate(r: Request, family: Family, factor: int, multiple: int) -> None:
             )
     if r.image is not None and r.image.shape[0] not in (1, len(r.prompts)):
         raise SdxError(f"give one input image or one per prompt ({len(r.prompts)}), not {r.image.shape[0]}")
+    _validate_controls(r, family, controlnets)
+
+
+def _validate_controls(r: Request, family: Family, controlnets: int) -> None:
+    if len(r.controls) != controlnets:
+        raise SdxError(f"give one --control-image per --controlnet ({controlnets}), not {len(r.controls)}")
+    if not r.controls:
+        return
+    if family.pix2pix:
+        raise SdxError("--controlnet: ControlNets guide text-to-image, img2img and inpainting models, not InstructPix2Pix")
+    if r.init_latents is not None or r.denoising_start is not None:
+        raise SdxError("--controlnet does not continue given latents (no --refiner)")
+    for c in r.controls:
+        control.check_window(c.start, c.end)
+        if c.image.ndim != 4 or c.image.shape[0] not in (1, len(r.prompts)) or c.image.shape[1:3] != (r.height, r.width):
+            raise SdxError(f"the control image's shape {c.image.shape} does not fit {len(r.prompts)} prompt(s) at "
+                           f"{r.height}x{r.width}")
 
 
 def batches(
@@ -173,7 +195,7 @@ def batches(
         family=family, scheduler=scheduler, guidance=guidance.choose(family, r.guidance_scale, r.image_guidance_scale),
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
         decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
-        inpaint=r.mask is not None,
+        inpaint=r.mask is not None, controlnets=len(r.controls), guess_mode=r.guess_mode and bool(r.controls),
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
 
@@ -192,6 +214,9 @@ def batches(
         image_all = per_image_array(r.image)
     if r.mask is not None:
         mask_all = per_image_array(r.mask)
+    control_all = [per_image_array(c.image) for c in r.controls]
+    total_calls = len(scheduler.timesteps(r.steps))
+    control_scales = control.scales_per_call(r.controls, total_calls, begin, end)
 
     time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
     neg_time_ids = np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids
@@ -212,6 +237,8 @@ def batches(
             negative_time_ids=take(neg_time_ids),
             image=take(image_all).astype(np.float32) if image_all is not None else np.zeros((0, 0, 0, 0), np.float32),
             mask=take(mask_all).astype(np.float32) if mask_all is not None else np.zeros((0, 0, 0, 0), np.float32),
+            control=tuple(take(a).astype(np.float32) for a in control_all),
+            control_scales=control_scales,
             state=state,
         )
         out.append((plan, inputs, min(batch, n - b0)))

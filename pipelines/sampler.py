@@ -3,9 +3,9 @@
 - prepare (text encoders, VAE encoder): token ids -> the UNet batch of conditioning the guidance lays
   out; the initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's
   image latents; inpainting's mask and masked-image latents.
-- denoise (UNet): `chunk` model calls (UNet, guidance, scheduler step, as a `lax.fori_loop`) from the
-  call the scheduler state has reached; the latents and scheduler state are donated from one call to
-  the next.
+- denoise (UNet, and the ControlNets if any): `chunk` model calls (ControlNets, UNet, guidance, scheduler
+  step, as a `lax.fori_loop`) from the call the scheduler state has reached; the latents and scheduler
+  state are donated from one call to the next.
 
 Inpainting, as diffusers' StableDiffusion(XL)InpaintPipeline: a 9-channel inpainting UNet reads the
 latents, the mask (the pixel mask at latent size) and the masked image's latents concatenated; an
@@ -63,7 +63,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import guidance, masks, text
+from pipelines import control, guidance, masks, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
@@ -71,6 +71,11 @@ from sdx import weights
 from sdx.schedulers import Scheduler, State
 
 START_NOISE, START_IMAGE, START_LATENTS = "noise", "image", "latents"
+
+
+def controlnet_name(k: int) -> str:
+    """The `Sampler.models` key of the k-th ControlNet."""
+    return f"controlnet_{k}"
 
 
 class Stream(enum.IntEnum):
@@ -91,7 +96,8 @@ class Plan:
     start: "noise" (text-to-image), "image" (img2img: encode, then noise to the first call's level),
     "latents" (continue given latents as they are: the refiner after the base);
     decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt;
-    inpaint: a mask says what to repaint (`Inputs.mask`).
+    inpaint: a mask says what to repaint (`Inputs.mask`); controlnets: how many of the sampler's
+    ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`).
     """
 
     family: Family
@@ -108,6 +114,8 @@ class Plan:
     chunks: int = 1
     clip_skip: int | None = None
     inpaint: bool = False
+    controlnets: int = 0
+    guess_mode: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -120,8 +128,9 @@ class Inputs:
     noise; keys: (B, 2) uint32, each image's PRNG key; scales: the guidance scales; time_ids /
     negative_time_ids: (B, 5 or 6) SDXL micro-conditioning (zeros (B, 0) otherwise); image: (B, H, W, 3)
     in [-1, 1] for img2img and InstructPix2Pix, (B, h, w, C) latents for start="latents", (B, 0, 0, 0)
-    otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; state: the
-    scheduler's tables for calls [begin, end).
+    otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; control: per
+    ControlNet (B, H, W, C) its image in [0, 1]; control_scales: (ControlNets, calls) each one's scale at
+    each call of [begin, end); state: the scheduler's tables for calls [begin, end).
     """
 
     ids: dict[str, jax.Array]
@@ -134,6 +143,8 @@ class Inputs:
     negative_time_ids: jax.Array
     image: jax.Array
     mask: jax.Array
+    control: tuple[jax.Array, ...]
+    control_scales: jax.Array
     state: State
 
 
@@ -175,12 +186,15 @@ class Known:
 @dataclasses.dataclass(frozen=True)
 class Fixed:
     """What every model call reads and none changes: the UNet batch's conditioning (B * branches rows),
-    each image's key (B, 2), the guidance scales, and what a 4-channel model's inpainting puts back."""
+    each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, and the
+    ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`)."""
 
     cond: Conditioning
     keys: jax.Array
     scales: Scales
     known: Known | None = None
+    control: tuple[jax.Array, ...] = ()
+    control_scales: jax.Array | None = None
 
 
 def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
@@ -234,7 +248,8 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
         x = inputs.image.astype(jnp.float32)
     known = Known(image_latents, mask, inputs.noise) if blend else None
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
-    fixed = Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales, known)
+    fixed = Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales, known,
+                  tuple(inputs.control), inputs.control_scales)
     return Carry(x, state, first_bad), fixed
 
 
@@ -246,19 +261,27 @@ def _sample_latents(vae, images: jax.Array, keys: jax.Array, stream: Stream) -> 
     return vae.config.to_latents(posterior.mean + posterior.std * eps)
 
 
-def _denoise(graphdef, params, carry: Carry, fixed: Fixed, plan: Plan, calls: int) -> tuple[Carry, jax.Array]:
+def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: int) -> tuple[Carry, jax.Array]:
     """`calls` model calls from where `carry.state` is. Also returns the state's call index, a small
-    output the driver waits on to report progress (the carry itself is donated to the next call)."""
-    unet = nnx.merge(graphdef, params)
+    output the driver waits on to report progress (the carry itself is donated to the next call).
+    graphdefs/params: {"unet", the plan's ControlNets `controlnet_name(k)`}."""
+    unet = nnx.merge(graphdefs["unet"], params["unet"])
+    nets = [nnx.merge(graphdefs[controlnet_name(k)], params[controlnet_name(k)]) for k in range(plan.controlnets)]
     sched, guide, cond = plan.scheduler, plan.guidance, fixed.cond
     added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if plan.family.xl else None
 
     def call(_, carry: Carry) -> Carry:
         st, x = carry.state, carry.latents
         c = plan.begin + st.index  # call index in the full schedule, so a refiner continues the base's stream
-        model_in = guide.model_input(sched.scale_model_input(st, x).astype(unet.compute.dtype), cond)
+        latents_in = sched.scale_model_input(st, x).astype(unet.compute.dtype)
+        model_in = guide.model_input(latents_in, cond)
         t = jnp.broadcast_to(st.timestep, (model_in.shape[0],))
-        out = guide.combine(unet(model_in, t, cond.context, added).astype(jnp.float32), fixed.scales)
+        res = {}
+        if nets:
+            down, mid = control.residuals(nets, fixed.control, fixed.control_scales[:, st.index], latents_in,
+                                          st.timestep, cond, guide.branches, plan.guess_mode, plan.family.xl)
+            res = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+        out = guide.combine(unet(model_in, t, cond.context, added, **res).astype(jnp.float32), fixed.scales)
         noise = None
         if sched.stochastic:
             noise = _per_image(fixed.keys, Stream.STEP_NOISE,
@@ -314,7 +337,8 @@ class _Programs:
 class Sampler:
     """Compiles and runs the programs for a set of loaded models on a mesh.
 
-    models: {"unet", "vae", "text_encoder"[, "text_encoder_2"]} live nnx modules (already placed);
+    models: {"unet", "vae", "text_encoder"[, "text_encoder_2"][, `controlnet_name(k)`...]} live nnx modules
+    (already placed);
     chunk: model calls per denoise call; compile_log: called with (plan, seconds) after each plan's
     programs are compiled; compilations counts those plans.
     """
@@ -353,11 +377,16 @@ class Sampler:
             negative_time_ids=batched(inputs.negative_time_ids),
             image=batched(inputs.image) if np.shape(inputs.image)[0] else rep(inputs.image),
             mask=batched(inputs.mask) if np.shape(inputs.mask)[0] else rep(inputs.mask),
+            control=tuple(batched(a) for a in inputs.control),
+            control_scales=rep(inputs.control_scales),
             state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
         )
 
     def _prepare_params(self, family: Family) -> dict:
         return {name: self.params[name] for name in ("vae", *family.encoders)}
+
+    def _denoise_params(self, plan: Plan) -> dict:
+        return {name: self.params[name] for name in ("unet", *map(controlnet_name, range(plan.controlnets)))}
 
     def compiled(self, plan: Plan, inputs: Inputs) -> _Programs:
         """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings)."""
@@ -372,9 +401,11 @@ class Sampler:
         keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
         n = inputs.state.num_calls
         sizes = (self.chunk,) * (n // self.chunk) + ((n % self.chunk,) if n % self.chunk else ())
+        unet_params = self._denoise_params(plan)
+        unet_graphdefs = {name: self.graphdefs[name] for name in unet_params}
         denoise = {
-            calls: jax.jit(functools.partial(_denoise, self.graphdefs["unet"], plan=plan, calls=calls),
-                           out_shardings=keep, donate_argnums=1).lower(self.params["unet"], carry, fixed).compile()
+            calls: jax.jit(functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls),
+                           out_shardings=keep, donate_argnums=1).lower(unet_params, carry, fixed).compile()
             for calls in set(sizes)
         }
         decode = None
@@ -395,7 +426,7 @@ class Sampler:
         carry, fixed = programs.prepare(self._prepare_params(plan.family), inputs)
         queued = []  # (index output, calls) of denoise calls not yet reported
         for calls in programs.sizes:
-            carry, index = programs.denoise[calls](self.params["unet"], carry, fixed)
+            carry, index = programs.denoise[calls](self._denoise_params(plan), carry, fixed)
             if progress is not None:
                 queued.append((index, calls))
                 if len(queued) > 1:  # report a call once done, while the next one already waits on the device

@@ -22,6 +22,9 @@ sdx.json:
        "scheduler": {"class": "EulerDiscreteScheduler", "config": {...scheduler_config.json...}}},
      "extra": {"force_zeros_for_empty_prompt": true}}    # model_index.json's other entries
 
+A standalone model that is no pipeline (a ControlNet, `convert.controlnet_folder`) has a folder of the same
+form: "model_class" in place of "pipeline_class", its one model component, no extra.
+
 Loading reads nothing twice and builds no random weights: the model is built abstractly
 (`sdx.weights.abstract`), the safetensors file is memory-mapped, every key and shape is checked, and
 `sdx.weights.materialize` puts each tensor on the device(s) with its sharding (each device reading only
@@ -58,6 +61,7 @@ from sdx.layers import Compute
 FORMAT = "sdx"
 FORMAT_VERSION = 1
 SPEC_FILE = "sdx.json"
+MODEL_CLASS = "model_class"  # a standalone model's class, in its sdx.json in place of "pipeline_class"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -168,8 +172,8 @@ def is_model_folder(path: str | os.PathLike) -> bool:
     return (Path(path) / SPEC_FILE).is_file()
 
 
-def read_spec(folder: str | os.PathLike) -> dict[str, Any]:
-    """sdx.json of `folder`, checked for format, version and pipeline components."""
+def read_spec_file(folder: str | os.PathLike) -> dict[str, Any]:
+    """sdx.json of `folder`, checked for format and version only (a pipeline's or a standalone model's)."""
     path = Path(folder) / SPEC_FILE
     if not path.is_file():
         raise SdxError(f"{folder}: not an sdx model folder (no {SPEC_FILE})")
@@ -180,16 +184,30 @@ def read_spec(folder: str | os.PathLike) -> dict[str, Any]:
         raise SdxError(
             f"{path}: format_version {spec.get('format_version')!r} is not {FORMAT_VERSION}, the one this sdx reads"
         )
+    return spec
+
+
+def read_spec(folder: str | os.PathLike) -> dict[str, Any]:
+    """sdx.json of `folder`, checked for format, version and pipeline components."""
+    path = Path(folder) / SPEC_FILE
+    spec = read_spec_file(folder)
+    if MODEL_CLASS in spec and "pipeline_class" not in spec:
+        raise SdxError(f"{path}: an sdx {spec[MODEL_CLASS]} folder, not a pipeline")
     spec.setdefault("extra", {})
     check_types(str(path), {k: spec.get(k) for k in _SPEC_KINDS}, _SPEC_KINDS)
     weights.dtype_of(spec["dtype"])
     check_pipeline(spec["pipeline_class"], set(spec["components"]), where=str(path))
     for name, entry in spec["components"].items():
-        kinds = _ENTRY_KINDS[SCHEDULER if name == SCHEDULER else "tokenizer" if name in TOKENIZERS else "model"]
-        if not isinstance(entry, dict):
-            raise SdxError(f"{path}: components.{name} must be an object, not {type(entry).__name__}")
-        check_types(f"{path}: components.{name}", {k: entry.get(k) for k in kinds}, kinds)
+        check_entry(f"{path}: components.{name}", entry,
+                    SCHEDULER if name == SCHEDULER else "tokenizer" if name in TOKENIZERS else "model")
     return spec
+
+
+def check_entry(where: str, entry: Any, kind: str) -> None:
+    """Check the fields of a component entry of sdx.json of `kind` ("model", "tokenizer", "scheduler")."""
+    if not isinstance(entry, dict):
+        raise SdxError(f"{where} must be an object, not {type(entry).__name__}")
+    check_types(where, {k: entry.get(k) for k in _ENTRY_KINDS[kind]}, _ENTRY_KINDS[kind])
 
 
 # sdx.json's fields, and those of each kind of component entry
@@ -248,7 +266,12 @@ def read_arrays(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any]
     folder = Path(folder)
     spec = spec or read_spec(folder)
     _model_kind(name, folder)
-    path = folder / _entry(spec, folder, name)["file"]
+    return component_arrays(folder, name, _entry(spec, folder, name))
+
+
+def component_arrays(folder: Path, name: str, entry: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The memory-mapped arrays of the file sdx.json's `entry` lists for model component `name` (unchecked)."""
+    path = Path(folder) / entry["file"]
     if not path.is_file():
         raise SdxError(f"{path}: missing (listed in {SPEC_FILE} for {name})")
     meta = io.read_safetensors_metadata(path)
@@ -373,6 +396,25 @@ class ModelPart:
     source_config: dict[str, Any] | None = None  # the diffusers/transformers config.json, kept for export
 
 
+def write_component(
+    folder: Path, name: str, part: ModelPart, *, dtype: str, out: Path, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Write model component `name` (its arrays already checked) as `folder/NAME.safetensors`, floating
+    tensors cast to `dtype`; its sdx.json entry. `out`: the folder errors name (`folder` is its temporary)."""
+    file = f"{name}.safetensors"
+    cast = weights.dtype_of(dtype)
+    items = [(k, weights.lazy_cast(part.arrays[k], cast)) for k in sorted(part.arrays)]
+    try:
+        io.write_safetensors(
+            folder / file, items,
+            metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION), "component": name, "dtype": dtype},
+        )
+    except OSError as e:
+        raise SdxError(f"cannot write {Path(out) / file}: {e.strerror or e}") from None
+    log(f"{name}: {len(items)} tensors -> {file}")
+    return {"class": part.cls, "file": file, "config": part.config.to_dict(), "source_config": part.source_config}
+
+
 def write_model_folder(
     out: str | os.PathLike,
     *,
@@ -389,7 +431,7 @@ def write_model_folder(
     against its config's abstract model, cast to `dtype` (floating tensors only) and streamed out."""
     out = Path(out)
     log = log or (lambda _msg: None)
-    cast = weights.dtype_of(dtype)
+    weights.dtype_of(dtype)
     names = set(models) | set(tokenizers) | {SCHEDULER}
     check_pipeline(pipeline_class, names, where=str(out))
     for name in models:
@@ -407,20 +449,7 @@ def write_model_folder(
             if part.cls not in kind.classes:
                 raise SdxError(f"{name}: class {part.cls!r} is not one sdx builds for it ({', '.join(kind.classes)})")
             weights.check_arrays(kind.param_shapes(part.config), part.arrays, where=name)
-            file = f"{name}.safetensors"
-            items = [(k, weights.lazy_cast(part.arrays[k], cast)) for k in sorted(part.arrays)]
-            try:
-                io.write_safetensors(
-                    tmp / file, items,
-                    metadata={"format": FORMAT, "format_version": str(FORMAT_VERSION), "component": name, "dtype": dtype},
-                )
-            except OSError as e:
-                raise SdxError(f"cannot write {out / file}: {e.strerror or e}") from None
-            log(f"{name}: {len(items)} tensors -> {file}")
-            comps[name] = {
-                "class": part.cls, "file": file, "config": part.config.to_dict(),
-                "source_config": part.source_config,
-            }
+            comps[name] = write_component(tmp, name, part, dtype=dtype, out=out, log=log)
         for name in (n for n in TOKENIZERS if n in tokenizers):
             try:
                 shutil.copytree(Path(tokenizers[name]), tmp / name, symlinks=False)

@@ -138,12 +138,17 @@ def test_an_image_does_not_change_with_the_batch_size(tiny, tmp_path):
     ("sd15_inpaint", ["--image", "IMAGE"], "an inpainting model repaints the masked part of an image: pass --image and "
                                            "--mask"),
     ("pix2pix", ["--image", "IMAGE", "--mask", "MASK"], "an InstructPix2Pix model edits the whole image"),
+    ("sd15", ["--image", "IMAGE", "--padding-mask-crop", "4"], "--padding-mask-crop 4: a number of pixels >= 0, with --mask"),
+    ("sd15", ["--image", "IMAGE", "--mask", "MASK", "--padding-mask-crop", "-1"], "--padding-mask-crop -1: a number of"),
+    ("sd15", ["--image", "IMAGE", "--mask", "BLACK", "--padding-mask-crop", "4"], "is black everywhere"),
 ])
 def test_bad_inpainting_requests_are_one_error_line(tiny, tmp_path, capsys, model, args, words):
     _, folder = tiny(model)
     image_path = str(input_image(tmp_path)[0])
     mask_path, _ = mask_file(tmp_path)
-    args = [a.replace("MASK", mask_path).replace("IMAGE", image_path) for a in args]
+    black = tmp_path / "black.png"
+    Image.new("L", (64, 64), 0).save(black)
+    args = [a.replace("MASK", mask_path).replace("IMAGE", image_path).replace("BLACK", str(black)) for a in args]
     words = words.replace("IMAGE", image_path)
     out = tmp_path / "out"
     code = main(["--model", str(folder), "--prompt", "x", "--output", str(out), "--cache", str(tmp_path / "cache"),
@@ -152,3 +157,54 @@ def test_bad_inpainting_requests_are_one_error_line(tiny, tmp_path, capsys, mode
     assert code == 2 and err[-1].startswith("error: ") and words in err[-1], err
     assert not out.exists()
 
+
+
+def _masks_for_crops():
+    """Masks of 100x70 with a box or a blob in a corner, in the middle, along an edge; and generation sizes of
+    every aspect, so each branch of the crop region (grow in height or width, shift back, clip) runs."""
+    out = []
+    for box in ((5, 5, 20, 12), (40, 30, 60, 40), (80, 2, 99, 69), (0, 50, 100, 70), (47, 33, 48, 34)):
+        mask = Image.new("L", (100, 70), 0)
+        ImageDraw.Draw(mask).rectangle(box, fill=255)
+        out.append(mask)
+    return out
+
+
+@pytest.mark.parametrize("size", [(64, 64), (48, 96), (96, 40)])
+@pytest.mark.parametrize("pad", [0, 7, 40])
+def test_crop_region_fill_and_overlay_equal_diffusers(size, pad):
+    from diffusers.image_processor import VaeImageProcessor
+
+    from pipelines import masks
+
+    processor = VaeImageProcessor()
+    _, picture = input_image(None, size=100)
+    picture = picture.crop((0, 0, 100, 70))
+    for mask in _masks_for_crops():
+        box = masks.crop_region(mask, size, pad)
+        assert box == processor.get_crop_region(mask, size[1], size[0], pad=pad)
+        cut = picture.crop(box)
+        assert np.array_equal(np.asarray(masks.resize_fill(cut, size)),
+                              np.asarray(processor.resize(cut, size[0], size[1], resize_mode="fill")))
+        generated = np.asarray(picture.resize((size[1], size[0])))[::-1].copy()
+        want = processor.apply_overlay(mask, picture, Image.fromarray(generated), box)
+        assert np.array_equal(masks.overlay(mask, picture, generated, box), np.asarray(want))
+
+
+def test_padding_mask_crop_repaints_a_crop_and_pastes_it_back(tiny, tmp_path):
+    pipe, folder = tiny("sd15_inpaint")
+    image_path, image = input_image(tmp_path, size=96)
+    mask_path, mask = mask_file(tmp_path, size=(96, 96))
+    path, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 48))
+    import diffusers
+    import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as module
+
+    with diffusers_noise(module, noise):
+        ref = diffusers.StableDiffusionInpaintPipeline(**pipe.components)(
+            prompt="a harbour", image=image, mask_image=mask, height=64, width=48, padding_mask_crop=6,
+            num_inference_steps=STEPS, strength=0.8, guidance_scale=7.5, output_type="pil").images[0]
+    ours = run_cli(tmp_path, folder, "--prompt", "a harbour", "--image", str(image_path), "--mask", mask_path,
+                   "--padding-mask-crop", "6", "--height", "64", "--width", "48", "--strength", "0.8",
+                   "--steps", str(STEPS), "--latents", str(path))
+    assert ours.shape == (1, 96, 96, 3)
+    assert_images_close(ours, np.asarray(ref)[None])

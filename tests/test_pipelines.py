@@ -150,11 +150,14 @@ def diffusers_noise(module, noise: torch.Tensor):
         module.randn_tensor, vae_module.randn_tensor = saved
 
 
-def input_image(tmp_path: Path, size=64, seed=1) -> tuple[Path, Image.Image]:
+def input_image(tmp_path: Path | None, size=64, seed=1) -> tuple[Path | None, Image.Image]:
+    """A smooth picture with noise, saved as tmp_path/input.png (not saved when tmp_path is None)."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:size, 0:size] / size
     arr = np.stack([yy, xx, 0.5 + 0.3 * np.sin(6 * xx * yy)], -1) * 200 + rng.uniform(0, 55, (size, size, 3))
     image = Image.fromarray(arr.clip(0, 255).astype(np.uint8))
+    if tmp_path is None:
+        return None, image
     path = tmp_path / "input.png"
     image.save(path)
     return path, image

@@ -35,11 +35,11 @@ def _image() -> np.ndarray:
     return np.stack([yy, xx, np.sin(6 * xx * yy)], -1)[None].astype(np.float32) * 2 - 1  # (1, 32, 32, 3) in [-1, 1]
 
 
-# case -> (scheduler, what the request adds); every one draws something from the image keys
+# case -> (scheduler, what the request adds); every one draws something from the image keys (every stochastic
+# scheduler, DDPM included, takes its step noise from the sampler's per-image stream these cases test)
 CASES = {
     "euler_a": ("euler_a", {}),
     "euler_a_unguided": ("euler_a", {"guidance_scale": 1.0}),
-    "ddpm": ("ddpm", {}),
     "ddim_eta_1": ("ddim", {}),
     "img2img": ("euler", {"image": "image", "strength": 0.7}),  # a deterministic sampler: the posterior sample alone
     "pix2pix": ("euler_a", {"image": "image"}),

@@ -65,7 +65,7 @@ def _tiny_configs(kind: str) -> tuple[str, dict, dict, dict]:
     return real.pipeline_class, configs, real.extra, pads
 
 
-def _perturb(module: torch.nn.Module, generator: torch.Generator) -> None:
+def perturb(module: torch.nn.Module, generator: torch.Generator) -> None:
     """Move every parameter off its init: absolute noise for norms/biases, relative for the rest."""
     with torch.no_grad():
         for param in module.parameters():
@@ -99,7 +99,7 @@ def make_tiny_pipeline(kind: str, folder, *, seed: int = 0, tokenizer_files: str
     scheduler_cls = getattr(diffusers, configs["scheduler"]["_class_name"])
     components["scheduler"] = scheduler_cls.from_config(configs["scheduler"])
     for name, model in (("unet", unet), ("vae", vae)):
-        _perturb(model, generator)
+        perturb(model, generator)
         components[name] = model.eval()
     for te, tok in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
         if te not in configs:
@@ -108,7 +108,7 @@ def make_tiny_pipeline(kind: str, folder, *, seed: int = 0, tokenizer_files: str
         cfg = {k: v for k, v in configs[te].items() if k not in ("architectures", "model_type")}
         arch = getattr(transformers, configs[te]["architectures"][0])
         model = arch(transformers.CLIPTextConfig(**cfg))
-        _perturb(model, generator)
+        perturb(model, generator)
         components[te] = model.eval()
         tok_dir = write_builtin_folder(folder / tok, pad_token=pads[tok])
         components[tok] = transformers.CLIPTokenizer.from_pretrained(tok_dir)
