@@ -161,9 +161,14 @@ def null_conditioning(family, encoders, tokenizers, dtype) -> dict[str, jax.Arra
     for SDXL). diffusers' SDXL training script encodes "" where its pipeline uses zeros; sdx follows the
     pipeline."""
     ids = textlib.tokenize(family, tokenizers, [[""]] * len(family.encoders), chunks=None)
-    context, pooled = textlib.encode(family, encoders, {k: jnp.asarray(v) for k, v in ids.items()}, None, dtype)
-    out = {"context": context[0]} | ({} if pooled is None else {"pooled": pooled[0]})
-    return jax.tree.map(jnp.zeros_like, out) if family.force_zeros else out
+
+    def encode():
+        context, pooled = textlib.encode(family, encoders, {k: jnp.asarray(v) for k, v in ids.items()}, None, dtype)
+        return {"context": context} | ({} if pooled is None else {"pooled": pooled})  # (1, ...) each
+
+    if family.force_zeros:  # only the shapes are needed: trace the encoders, run nothing
+        return jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), jax.eval_shape(encode))
+    return jax.tree.map(lambda a: a[0], encode())
 
 
 def _grid(images: np.ndarray, columns: int) -> np.ndarray:
