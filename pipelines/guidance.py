@@ -169,6 +169,11 @@ def null_conditioning(family: Family, encoders: Mapping, tokenizers: Mapping, dt
     dropout swaps in (diffusers' SDXL training script encodes "" where its pipeline uses zeros,
     diffusers#7920; sdx follows the pipeline)."""
     ids = text.tokenize(family, tokenizers, [[""]] * len(family.encoders), chunks=None)
-    zero = jnp.asarray([family.force_zeros])
-    context, pooled = negative_conditioning(family, encoders, {k: jnp.asarray(v) for k, v in ids.items()}, zero, dtype)
-    return {"context": context[0]} | ({} if pooled is None else {"pooled": pooled[0]})
+
+    def encode():
+        context, pooled = text.encode(family, encoders, {k: jnp.asarray(v) for k, v in ids.items()}, None, dtype)
+        return {"context": context} | ({} if pooled is None else {"pooled": pooled})  # (1, ...) each
+
+    if family.force_zeros:  # zeros: only the shapes are needed, so the encoders are traced, not run
+        return jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), jax.eval_shape(encode))
+    return jax.tree.map(lambda a: a[0], encode())

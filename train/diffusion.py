@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pipelines import text as textlib
+from pipelines.guidance import null_conditioning
 from pipelines.pipeline import NonFiniteImages, Pipeline, _trained_size
 from pipelines.sampler import Sampler
 from pipelines.request import Request
@@ -153,22 +153,6 @@ class DiffusionTask:
         if jax.process_index() == 0:
             export.write_model(out, source=m.folder, spec=m.spec, pipeline_class=m.pipeline_class,
                                models={"unet": part}, export_format=self.cfg.export_format, log=self.log)
-
-
-def null_conditioning(family, encoders, tokenizers, dtype) -> dict[str, jax.Array]:
-    """The conditioning of no prompt, without a batch axis, as the pipeline's negative branch has it:
-    zeros under SDXL's force_zeros_for_empty_prompt, else the encoding of "" ({"context"} plus "pooled"
-    for SDXL). diffusers' SDXL training script encodes "" where its pipeline uses zeros; sdx follows the
-    pipeline."""
-    ids = textlib.tokenize(family, tokenizers, [[""]] * len(family.encoders), chunks=None)
-
-    def encode():
-        context, pooled = textlib.encode(family, encoders, {k: jnp.asarray(v) for k, v in ids.items()}, None, dtype)
-        return {"context": context} | ({} if pooled is None else {"pooled": pooled})  # (1, ...) each
-
-    if family.force_zeros:  # only the shapes are needed: trace the encoders, run nothing
-        return jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), jax.eval_shape(encode))
-    return jax.tree.map(lambda a: a[0], encode())
 
 
 def _grid(images: np.ndarray, columns: int) -> np.ndarray:
