@@ -39,13 +39,16 @@ def _reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: b
     weights: one pass less over the largest tensor (about 30% faster at SD 1.5's 4096 tokens on a CPU,
     same result to float32 rounding).
     """
+    # the scale goes on the (B, Tq, H, D) queries, not on the (B, H, Tq, Tk) logits: XLA's CPU fusions
+    # would otherwise materialise the scale broadcast to the logits' shape (a second buffer of their size)
+    q = q * jnp.asarray(scale, q.dtype)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
     if causal:
         tq, tk = q.shape[1], k.shape[1]
         keep = jnp.tril(jnp.ones((tq, tk), dtype=bool), k=tk - tq)
         logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
     top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))  # any shift gives the same softmax
-    weights = jnp.exp((logits - top) * scale)  # unnormalised, (B, H, Tq, Tk)
+    weights = jnp.exp(logits - top)  # unnormalised, (B, H, Tq, Tk)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     total = weights.sum(axis=-1).transpose(0, 2, 1)[..., None]  # (B, H, Tq) -> (B, Tq, H, 1)
     return (out / total).astype(v.dtype)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests import processes
+
+processes.configure_this_process()
+
 
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory):

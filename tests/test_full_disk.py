@@ -19,6 +19,7 @@ import pytest
 
 from sdx import io
 from sdx.errors import SdxError
+from tests.processes import child_env
 from train import checkpoint, shapes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,8 +62,7 @@ def _error_line(proc: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def setting(demo_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("full")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SDX_CACHE": str(root / "sdx-cache")}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(SDX_CACHE=str(root / "sdx-cache"))
     return demo_models("tiny"), root, env
 
 

@@ -6,7 +6,6 @@ No torch here: folders are written from random arrays shaped by the `tiny` prese
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -22,6 +21,7 @@ from flax import nnx
 from sdx import io, model_folder, presets, weights
 from sdx.errors import SdxError
 from sdx.layers import Compute
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -146,7 +146,7 @@ def test_sharded_load_over_fake_devices(tiny):
         assert split > 10, split
         print("ok", split)
     """)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = child_env(devices=4)
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("ok")

@@ -9,7 +9,6 @@ an 8-channel UNet.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
@@ -25,6 +24,7 @@ from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from sdx import mesh as meshlib
 from sdx.unet import UNet2DConditionModel
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH_SIZES = (1, 3)  # 3 of 4 images: another batch size, and a last batch padded
@@ -100,7 +100,7 @@ def four_devices(folder, tmp_path_factory) -> dict[str, np.ndarray]:
         np.savez({str(out)!r}, **image_one(pipelines(Path({str(folder)!r}), meshlib.make_mesh()), 4))
         """
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = child_env(devices=4)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return dict(np.load(out))

@@ -29,6 +29,7 @@ from sdx import mesh as meshlib
 from sdx.layers import Compute
 from sdx.sample import main
 from sdx.unet import UNet2DConditionModel
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,7 +153,7 @@ def test_sharded_equals_single_device(tiny_xl, tmp_path):
         np.testing.assert_allclose(fsdp, single, atol=2e-5)
         """
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = child_env(devices=4)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     print(proc.stdout)

@@ -5,7 +5,6 @@ be cached exactly (a crop or a caption drawn per sample) is refused with one cle
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from sdx.errors import SdxError
+from tests.processes import child_env
 from tests.train_datasets import encode, random_picture, write_parquet
 from train import cache as cachelib
 from train import data, shapes, sources
@@ -26,9 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 def world(tmp_path_factory, demo_models):
     root = tmp_path_factory.mktemp("cache")
     shapes.write_dataset(root / "edits", "edits", count=8, seed=0, size=32)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(root / "jax"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "SDX_CACHE": str(root / "sdx-cache")}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_COMPILATION_CACHE_DIR=str(root / "jax"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    SDX_CACHE=str(root / "sdx-cache"))
     return root, demo_models("tiny_xl"), env
 
 

@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 from sdx.errors import SdxError
+from tests.processes import child_env
 from train import checkpoint
 from train.signals import GracefulStop
 
@@ -73,8 +74,8 @@ def assert_same(a, b) -> None:
         np.testing.assert_array_equal(x, y)  # bit-exact: same dtype, every element equal
 
 
-def run_python(script: str, env_extra: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO), **(env_extra or {})}
+def run_python(script: str, devices: int | None = None, **kw) -> subprocess.CompletedProcess:
+    env = child_env(devices=devices, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300, **kw)
 
@@ -171,7 +172,7 @@ def test_restore_onto_a_mesh_takes_the_shardings_of_the_live_state(tmp_path):
             assert got.sharding == single.params["kernel"].value.sharding, got.sharding
         ckpts.close()
         print("ok", len(split))
-    """, {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    """, devices=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("ok")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import os
 import re
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import child_env
 from train import checkpoint, shapes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,9 +33,8 @@ def world(tmp_path_factory, demo_models):
     model = demo_models("tiny")  # SD 1.x-like: pix2pix widens its conv_in
     shapes.write_dataset(root / "edits", "edits", count=8, seed=0, size=32)
     shapes.write_dataset(root / "captions", "captions", count=8, seed=0, size=32)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(root / "jax"),
-           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "SDX_CACHE": str(root / "sdx-cache")}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_COMPILATION_CACHE_DIR=str(root / "jax"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                    SDX_CACHE=str(root / "sdx-cache"))
     return root, model, env
 
 

@@ -5,7 +5,6 @@ device, on a mesh, and as two processes."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -19,6 +18,7 @@ from safetensors.numpy import load_file
 
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
+from tests.processes import child_env
 from train import pix2pix, shapes
 
 
@@ -71,7 +71,7 @@ def _mesh_run(model, data, out: Path, *, resume: bool, processes: int = 1):
     TPU interconnect), which on a loaded 2-core machine has stalled (once, in a full-suite run) with every process
     waiting in a collective. A stalled job is killed after `STALL` seconds (a normal one takes about 60)
     and started once more from scratch, so the test fails on wrong numbers and on a second stall only."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={4 // processes}"}
+    env = child_env(devices=4 // processes)
     argv = [sys.executable, str(Path(__file__).with_name("mesh_train_child.py")), str(out), *(["--resume"] if resume else []),
             "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data), "--fsdp", "2",
             *FLAGS, "--train_batch_size", "1"]  # per device: 4 samples a step over data 2 x fsdp 2

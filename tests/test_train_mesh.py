@@ -16,7 +16,6 @@ the first of its devices) and saves them for the comparisons here.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.processes import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -115,7 +116,7 @@ print("ok")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = child_env(devices=4)
     script = f"OUT = {str(out)!r}\n" + textwrap.dedent(CHILD)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr

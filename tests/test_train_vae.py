@@ -9,7 +9,6 @@ pipeline: the sdx folder written has the new VAE and every other component byte 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from safetensors.numpy import load_file
 from convert.sources import read_vae_source
 from sdx import weights
 from sdx.vae import AutoencoderKL, VAEConfig
+from tests.processes import child_env
 from train import shapes
 
 torch = pytest.importorskip("torch")
@@ -34,9 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("vae")
     shapes.write_dataset(root / "two", "captions", count=2, seed=0, size=32)  # one repeated batch
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(root / "jax"),
-           "SDX_CACHE": str(root / "sdx-cache")}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_COMPILATION_CACHE_DIR=str(root / "jax"), SDX_CACHE=str(root / "sdx-cache"))
     return root, env
 
 
