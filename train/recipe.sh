@@ -7,7 +7,7 @@
 #
 # Every training command checkpoints as it goes; run the recipe again after an interruption and each
 # finished stage is skipped, an unfinished one resumes from its last checkpoint. The step counts are
-# environment variables (VAE_STEPS, T2I_STEPS, EDIT_STEPS) for shorter trial runs.
+# environment variables (VAE_STEPS, T2I_STEPS, EDIT_STEPS, EDIT_2_STEPS) for shorter trial runs.
 set -euo pipefail
 
 WORK=${1:-work/default-models}
@@ -15,6 +15,7 @@ PY=${PYTHON:-python}
 VAE_STEPS=${VAE_STEPS:-1500}
 T2I_STEPS=${T2I_STEPS:-5000}
 EDIT_STEPS=${EDIT_STEPS:-5000}
+EDIT_2_STEPS=${EDIT_2_STEPS:-2500}
 mkdir -p "$WORK"
 start=$(date +%s)
 stage() { echo "== $1 ($(( $(date +%s) - start )) s so far)" >&2; }
@@ -52,8 +53,19 @@ stage "InstructPix2Pix"
     --lr_warmup_steps 100 --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
     --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/edit" $(resume "$WORK/edit")
 
+# A second pass of the edit model from its first, at a lower learning rate with a new --seed (new noise,
+# timestep and dropout draws), on all 20,000 pairs: its background edits kept the shape and its colour
+# 0.845 of the time after the first pass, 0.917 after this one. (The same second pass for the
+# text-to-image model, 2,000 steps at lr 2e-4, changed nothing: its remaining errors are the VAE's.)
+stage "InstructPix2Pix, second pass"
+[ -f "$WORK/edit-2/sdx.json" ] || $PY -m train.pix2pix --pretrained_model_name_or_path "$WORK/edit" \
+    --dataset_name "$WORK/edits" --resolution 64 --cache_latents \
+    --train_batch_size 16 --max_train_steps "$EDIT_2_STEPS" --learning_rate 3e-4 --lr_scheduler cosine \
+    --lr_warmup_steps 50 --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
+    --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 1 --output_dir "$WORK/edit-2" $(resume "$WORK/edit-2")
+
 stage "pack"
-$PY -m pipelines.default_models pack "$WORK/t2i" "$WORK/edit"
+$PY -m pipelines.default_models pack "$WORK/t2i" "$WORK/edit-2"
 
 stage "evaluate"
 $PY -m train.shapes_eval --model default --edit-model default-edit --seeds 2 --json "$WORK/eval.json"
