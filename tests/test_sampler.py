@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -95,7 +94,7 @@ def test_a_second_process_takes_every_program_from_the_persistent_cache(tiny_xl,
                           "hits": events.count("/jax/compilation_cache/cache_hits")}}))
         """
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = child_env()
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

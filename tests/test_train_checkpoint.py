@@ -306,7 +306,7 @@ def test_a_save_killed_mid_write_is_not_a_checkpoint(tmp_path):
             ckpts.wait()
             print("committed", flush=True)
         """)],
-        cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)},
+        cwd=REPO, env=child_env(PYTHONPATH=str(REPO)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -444,7 +444,7 @@ def test_signals_stop_the_loop_after_a_checkpoint(tmp_path, first):
     """A signal stops the loop at a step boundary; a SIGTERM and a SIGINT during the save do not kill it."""
     proc = subprocess.Popen(
         [sys.executable, "-c", LOOP, str(tmp_path / "checkpoints"), str(tmp_path / "signals-sent")], cwd=REPO,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)},
+        env=child_env(PYTHONPATH=str(REPO)),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
