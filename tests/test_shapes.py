@@ -278,6 +278,31 @@ def test_text_to_image_harness_catches_a_wrong_model():
         shapes_eval.evaluate_text_to_image(lambda p, s: _render_prompts(p[:-1], s[:-1]), seeds=[0])
 
 
+def test_reconstruction_harness():
+    seen = []
+
+    def identity(images):
+        seen.append(images)
+        return images
+
+    report = shapes_eval.evaluate_reconstruction(identity, seeds=[0, 3], size=48)
+    assert len(seen) == 1 and seen[0].shape == (336, 48, 48, 3) and seen[0].dtype == np.uint8
+    assert len({im.tobytes() for im in seen[0]}) == 336  # positions and sizes differ by seed too
+    assert report.count == 336 and report.accuracy == {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}
+    again = shapes_eval.evaluate_reconstruction(identity, seeds=[0], size=48)
+    assert again.count == 168 and np.array_equal(seen[-1], seen[0][:168])  # fixed by the seed
+
+    def dark_frame(images):  # a VAE that draws a black two-pixel frame
+        out = images.copy()
+        out[:, :2], out[:, -2:], out[:, :, :2], out[:, :, -2:] = 0, 0, 0, 0
+        return out
+
+    acc = shapes_eval.evaluate_reconstruction(dark_frame, seeds=[0]).accuracy
+    assert acc["background"] == pytest.approx(21 / 168)  # right only where the background is black
+    with pytest.raises(ValueError, match="168 uint8"):
+        shapes_eval.evaluate_reconstruction(lambda x: x[1:], seeds=[0])
+
+
 def _perfect_edit(images, instructions, seeds):
     """A perfect edit model: read the picture, apply the instruction, draw it again."""
     out = []
@@ -463,7 +488,7 @@ def test_shapes_cli_errors(tmp_path, capsys, argv, message):
 
 
 @pytest.mark.parametrize("argv, message", [
-    ([], "give --model, --edit-model or both"),
+    ([], "give --model, --edit-model, --vae-model or several of them"),
     (["--model", "m", "--seeds", "0"], "--seeds 0"),
     (["--model", "m", "--steps", "0"], "--steps 0"),
     (["--model", "m", "--size", "4"], "--size 4"),
@@ -532,6 +557,21 @@ def test_eval_cli_runs_the_pipelines(tmp_path, monkeypatch, capsys):
     assert acc["text_to_image"] == {"count": 336, "shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}
     for kind in EDIT_KINDS:
         assert acc["edits"][kind]["count"] == 336 and acc["edits"][kind]["all"] == 1.0
+
+
+def test_eval_cli_measures_a_models_vae(tmp_path, demo_models, capsys):
+    """--vae-model: the model's VAE (here the random-weight demo's) reconstructs the world's pictures, in
+    batches of --batch-size, and the table and the JSON report what was read back."""
+    report = tmp_path / "acc.json"
+    argv = ["--vae-model", str(demo_models("tiny")), "--seeds", "1", "--size", "32", "--batch-size", "100",
+            "--cache", str(tmp_path), "--json", str(report), "--quiet"]
+    assert shapes_eval.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["VAE", "images", "shape", "colour", "background", "all"]
+    assert lines[1].split()[0] == "168"
+    acc = json.loads(report.read_text())
+    assert list(acc) == ["vae_reconstruction"] and acc["vae_reconstruction"]["count"] == 168
+    assert acc["vae_reconstruction"]["all"] < 0.5  # random weights do not reconstruct
 
 
 @pytest.mark.parametrize("edit, pix2pix, message", [

@@ -100,9 +100,12 @@ def test_scale_lr():
 # Optimizer
 
 
+@pytest.mark.parametrize("frozen", [(), ("b",)], ids=["all", "b_frozen"])
 @pytest.mark.parametrize("max_grad_norm", [1.0, 100.0, None])
-def test_adamw_matches_torch(max_grad_norm):
-    """clip_grad_norm_ + AdamW under diffusers' cosine schedule with warm-up, on the same gradients."""
+def test_adamw_matches_torch(max_grad_norm, frozen):
+    """clip_grad_norm_ + AdamW under diffusers' cosine schedule with warm-up, on the same gradients. With
+    `frozen` names, torch's optimizer and clipping get the other parameters only (optimizer.frozen_except):
+    "b"'s large gradients must neither move it nor enter the clipping norm."""
     rng = np.random.default_rng(0)
     shapes = {"w": (4, 3), "b": (3,), "tiny": (2,)}
     scale = {"w": 3.0, "b": 3.0, "tiny": 1e-6}  # "tiny": sqrt(v) ~ eps, where eps's placement shows
@@ -112,11 +115,13 @@ def test_adamw_matches_torch(max_grad_norm):
     kw = {"warmup": 2, "total": 8}
 
     tparams = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in init.items()}
-    topt = torch.optim.AdamW(list(tparams.values()), lr=1e-2, betas=(hp["beta1"], hp["beta2"]),
+    trained = [p for k, p in tparams.items() if k not in frozen]
+    topt = torch.optim.AdamW(trained, lr=1e-2, betas=(hp["beta1"], hp["beta2"]),
                              weight_decay=hp["weight_decay"], eps=hp["eps"])
     tsched = get_scheduler("cosine", topt, num_warmup_steps=kw["warmup"], num_training_steps=kw["total"])
 
-    tx = optlib.adamw(ours("cosine", kw, peak=1e-2), max_grad_norm=max_grad_norm, **hp)
+    plain = optlib.adamw(ours("cosine", kw, peak=1e-2), max_grad_norm=max_grad_norm, **hp)
+    tx = optlib.frozen_except(plain, {k: k in frozen for k in shapes}) if frozen else plain
     params = {k: jnp.asarray(v) for k, v in init.items()}
     state = tx.init(params)
     step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))
@@ -124,12 +129,16 @@ def test_adamw_matches_torch(max_grad_norm):
         for k, p in tparams.items():
             p.grad = torch.from_numpy(g[k].copy())
         if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(tparams.values()), max_grad_norm)
+            torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         topt.step()
         tsched.step()
         params, state = step(params, state, {k: jnp.asarray(v) for k, v in g.items()})
         for k, p in tparams.items():
             np.testing.assert_allclose(params[k], p.detach().numpy(), rtol=1e-6, atol=1e-6, err_msg=k)
+    for k in frozen:
+        assert np.array_equal(params[k], init[k]), k
+    size = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+    assert size(state) == size(plain.init({k: init[k] for k in shapes if k not in frozen}))  # no moments for frozen
 
 
 def test_clip_grad_norm_matches_torch():

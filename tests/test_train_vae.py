@@ -93,3 +93,24 @@ def test_vae_from_a_pipeline_changes_only_the_vae(world, demo_models):
     for rel in files:
         if rel != Path("vae.safetensors"):
             assert (out / rel).read_bytes() == (model / rel).read_bytes(), rel
+
+
+def test_decoder_only_keeps_the_encoder(world, demo_models):
+    """--decoder_only: the encoder side (encoder, quant_conv) is written back byte for byte, so latents a
+    diffusion model was trained on stay valid; the decoder side learns (the loss falls on a repeated batch)."""
+    root, env = world
+    model = demo_models("tiny")
+    out = root / "decoder-only"
+    _train_vae(env, "--pretrained_model_name_or_path", str(model), "--dataset_name", str(root / "two"),
+               "--output_dir", str(out), "--max_train_steps", "20", "--learning_rate", "2e-3", "--decoder_only",
+               "--adam_weight_decay", "0.5")  # a large decay: it must not reach the frozen weights either
+    losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    print("loss", losses[0], "->", losses[-1])
+    assert np.mean(losses[-3:]) < 0.8 * np.mean(losses[:3])
+    changed, before = load_file(out / "vae.safetensors"), load_file(model / "vae.safetensors")
+    encoder_side = [k for k in before if k.split(".")[0] in ("encoder", "quant_conv")]
+    decoder_side = [k for k in before if k not in encoder_side]
+    assert encoder_side and decoder_side
+    for k in encoder_side:
+        assert changed[k].tobytes() == before[k].tobytes(), k
+    assert all(not np.array_equal(changed[k], before[k]) for k in decoder_side if k.endswith("kernel"))

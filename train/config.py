@@ -138,6 +138,7 @@ class TrainConfig:
     kl_weight: float = 1e-6
     reconstruction_loss: str = "l1"
     vae_config: str | None = None
+    decoder_only: bool = False
     # checkpoints, validation, logging, output
     checkpointing_steps: int = 500
     checkpoints_total_limit: int | None = None
@@ -245,6 +246,8 @@ def parser(task: str) -> argparse.ArgumentParser:
         opt("kl_weight", "weight of the KL term", type=float)
         opt("reconstruction_loss", "l1 or l2", choices=("l1", "l2"))
         opt("vae_config", "train from random weights: a preset name or a VAE config.json")
+        _bool(p, "decoder_only", "train the decoder (and post_quant_conv) only: the encoder, and so every latent "
+              "a model was trained on, stays exactly as it is")
 
     _bool(p, "use_ema", "keep an exponential moving average of the weights; validate and save it")
     opt("ema_decay", "EMA: maximum decay", type=float)

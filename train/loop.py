@@ -42,7 +42,9 @@ from train.metrics import Metrics
 class Task(Protocol):
     """What one kind of training adds to the loop (see train/diffusion.py, train/vae.py). A task may also
     have `prepare_data(source, output_dir) -> dict`, extra keyword arguments of `data.make_loader` (the
-    latent cache's, train/cache.py)."""
+    latent cache's, train/cache.py), and `frozen(params) -> tree of bools or None`, the parameters of
+    `module` that the optimizer leaves alone (`optimizer.frozen_except`; the VAE's encoder under
+    --decoder_only)."""
 
     module: nnx.Module  # the trainable model, placed on the mesh
 
@@ -123,6 +125,9 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     out.mkdir(parents=True, exist_ok=True)
     graphdef, params = nnx.split(task.module, nnx.Param)
     tx, lr_schedule = make_optimizer(cfg, sched.total)
+    frozen = task.frozen(params) if hasattr(task, "frozen") else None
+    if frozen is not None:
+        tx = optimizer.frozen_except(tx, frozen)
     ema = ema_config(cfg)
     state = steplib.init_state(params, tx, use_ema=ema is not None)
     prepare = getattr(task, "prepare_data", None)  # --cache_latents: the loader reads the cache instead of images

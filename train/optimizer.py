@@ -34,3 +34,12 @@ def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], beta1: float 
     schedule, read with the count of updates done before this one. Defaults: the scripts' flag defaults."""
     adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=eps, weight_decay=weight_decay)
     return adam if max_grad_norm is None else optax.chain(clip_grad_norm(max_grad_norm), adam)
+
+
+def frozen_except(tx: optax.GradientTransformation, frozen) -> optax.GradientTransformation:
+    """`tx` on the parameters whose leaf in `frozen` (a tree of bools shaped like the parameters) is False;
+    the others get a zero update and no optimizer state. This is torch's optimizer built over a subset of
+    the parameters: the clipping norm is the trained parameters' alone, and weight decay never touches the
+    frozen ones."""
+    labels = jax.tree.map(lambda f: "frozen" if f else "trained", frozen)
+    return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)

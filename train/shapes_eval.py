@@ -1,6 +1,6 @@
 """Reading a shapes-world picture back, and how often a model draws what it was asked for.
 
-    python -m train.shapes_eval --model FOLDER [--edit-model FOLDER] [--seeds 2] [--steps 30]
+    python -m train.shapes_eval --model FOLDER [--edit-model FOLDER] [--vae-model FOLDER] [--seeds 2] [--steps 30]
 
 `read(image)` is a fixed, deterministic reader (no learning): the background is the palette colour
 nearest the median of the border pixels; the foreground is the largest 4-connected region of pixels
@@ -12,8 +12,10 @@ under `MIN_IOU` leaving it unread.
 
 `evaluate_text_to_image(generate)` asks for every shape x colour x other background (168 prompts) per
 seed and reads each picture; `evaluate_edits(edit)` edits generated pictures (each combination once per
-edit kind and seed) and checks the edited attribute changed as asked and the other two did not. Both take
-plain callables, so any model (or the generator itself) can be measured.
+edit kind and seed) and checks the edited attribute changed as asked and the other two did not;
+`evaluate_reconstruction(reconstruct)` reads a VAE's encode-decode of a picture of every combination, the
+ceiling that VAE sets for any diffusion model drawing through it. All take plain callables, so any model
+(or the generator itself) can be measured.
 """
 
 from __future__ import annotations
@@ -204,10 +206,31 @@ def evaluate_text_to_image(generate: Callable[[list[str], list[int]], np.ndarray
         raise ValueError("give at least one seed")
     asked = [(Scene(*c).prompt(), s, c) for s in seeds for c in combinations()]
     images = _images(generate([a[0] for a in asked], [a[1] for a in asked]), len(asked), "generate")
-    items = tuple(Item(text, seed, expected, read(img)) for (text, seed, expected), img in zip(asked, images))
+    return _attribute_report("text-to-image", [Item(text, seed, expected, read(img))
+                                               for (text, seed, expected), img in zip(asked, images)])
+
+
+def evaluate_reconstruction(reconstruct: Callable[[np.ndarray], np.ndarray], *, seeds: Sequence[int] = (0,),
+                            size: int = 64) -> Report:
+    """`reconstruct(images)` (uint8 (N, H, W, 3) in and out; a VAE's encode then decode) applied, in one call,
+    to a picture of every combination per seed (positions and sizes drawn from the seed), each result read."""
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("give at least one seed")
+    scenes = [(s, Scene.random(np.random.default_rng([0x5EED, s, len(EDIT_KINDS), c]), shape=shape, colour=colour,
+                               background=background))
+              for s in seeds for c, (shape, colour, background) in enumerate(combinations())]
+    images = np.stack([scene.render(size) for _, scene in scenes])
+    out = _images(reconstruct(images), len(scenes), "reconstruct")
+    return _attribute_report("VAE", [Item(scene.prompt(), s, scene.attributes(), read(img))
+                                     for (s, scene), img in zip(scenes, out)])
+
+
+def _attribute_report(name: str, items: list[Item]) -> Report:
+    """Each attribute's accuracy, and all three at once, over pictures each meant to show `expected`."""
     acc = {a: _fraction(i.read.attributes()[k] == i.expected[k] for i in items) for k, a in enumerate(_ATTRIBUTES)}
     acc["all"] = _fraction(i.read.attributes() == i.expected for i in items)
-    return Report("text-to-image", items, acc)
+    return Report(name, tuple(items), acc)
 
 
 def edit_cases(seed: int, kind: str) -> list[tuple[str, Scene, Scene]]:
@@ -258,13 +281,17 @@ def evaluate_edits(edit: Callable[[np.ndarray, list[str], list[int]], np.ndarray
     return reports
 
 
-def format_reports(text: Report | None, edits: dict[str, Report] | None) -> str:
+def format_reports(text: Report | None, edits: dict[str, Report] | None, vae: Report | None = None) -> str:
     """The accuracy table the CLI prints."""
     lines = []
-    if text is not None:
-        a = text.accuracy
-        lines.append(f"{'text-to-image':14}{'images':>7}  {'shape':>6}  {'colour':>6}  {'background':>10}  {'all':>6}")
-        lines.append(f"{'':14}{text.count:7d}  {a['shape']:6.3f}  {a['colour']:6.3f}  {a['background']:10.3f}  {a['all']:6.3f}")
+    for r in (text, vae):
+        if r is None:
+            continue
+        a = r.accuracy
+        if lines:
+            lines.append("")
+        lines.append(f"{r.name:14}{'images':>7}  {'shape':>6}  {'colour':>6}  {'background':>10}  {'all':>6}")
+        lines.append(f"{'':14}{r.count:7d}  {a['shape']:6.3f}  {a['colour']:6.3f}  {a['background']:10.3f}  {a['all']:6.3f}")
     if edits:
         if lines:
             lines.append("")
@@ -283,6 +310,8 @@ def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m train.shapes_eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="text-to-image model (sdx folder, or anything `python -m sdx.sample --model` takes)")
     p.add_argument("--edit-model", help="InstructPix2Pix model to measure on the three edit kinds")
+    p.add_argument("--vae-model", help="a model whose VAE to measure: the world's pictures encoded (posterior "
+                                       "mode), decoded and read back")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 for every prompt and edit (default 2)")
     p.add_argument("--steps", type=int, default=30, help="inference steps (default 30)")
     p.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default 7.5, SDXL 5.0)")
@@ -298,8 +327,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if not args.model and not args.edit_model:
-        p.error("give --model, --edit-model or both")
+    if not (args.model or args.edit_model or args.vae_model):
+        p.error("give --model, --edit-model, --vae-model or several of them")
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds} must be at least 1")
     if args.steps < 1:
@@ -335,7 +364,34 @@ def _by_seed(pipe, request_for, n: int, seeds: list[int], size: int, bar) -> np.
     return out
 
 
-def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | None]:
+def _load_vae(spec: str, cache: Path, log):
+    from pipelines.cli import resolve_model
+    from sdx import model_folder
+
+    folder = resolve_model(spec, dtype="float32", cache=cache, log=log)
+    if "vae" not in model_folder.read_spec(folder)["components"]:
+        raise SdxError(f"--vae-model {spec}: the model has no VAE")
+    return model_folder.load_component(folder, "vae")
+
+
+def reconstructor(vae, batch_size: int | None):
+    """uint8 (N, H, W, 3) -> uint8: encode, posterior mode, decode, `batch_size` pictures per call."""
+    import jax
+
+    call = jax.jit(lambda v, x: v(x))
+
+    def reconstruct(images):
+        from pipelines.pipeline import to_uint8
+
+        x = images.astype(np.float32) / 127.5 - 1.0
+        step = batch_size or len(x)
+        out = np.concatenate([np.asarray(call(vae, x[i:i + step])) for i in range(0, len(x), step)])
+        return to_uint8(np.clip((out + 1) / 2, 0, 1))
+
+    return reconstruct
+
+
+def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | None, Report | None]:
     from convert.library import default_cache_dir
     from pipelines.request import Request
     from pipelines.sampler import enable_compilation_cache
@@ -349,7 +405,7 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
 
         bar = tqdm(desc="denoising", unit="step", total=0, file=sys.stderr)
     seeds = list(range(args.seeds))
-    text = edits = None
+    text = edits = vae_report = None
     try:
         if args.model:
             pipe = _load(args.model, args, cache, log, edit=False)
@@ -377,16 +433,24 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
                 return _by_seed(pipe, request, len(instructions), image_seeds, size, bar)
 
             edits = evaluate_edits(edit, seeds=seeds, size=size)
+            del pipe
+        if args.vae_model:
+            vae = _load_vae(args.vae_model, cache, log)
+            trained = vae.config.sample_size
+            size = args.size or (trained if isinstance(trained, int) else trained[0])
+            vae_report = evaluate_reconstruction(reconstructor(vae, args.batch_size), seeds=seeds, size=size)
     finally:
         if bar is not None:
             bar.close()
-    return text, edits
+    return text, edits, vae_report
 
 
-def to_json(text: Report | None, edits: dict[str, Report] | None) -> dict:
+def to_json(text: Report | None, edits: dict[str, Report] | None, vae: Report | None = None) -> dict:
     out = {}
     if text is not None:
         out["text_to_image"] = {"count": text.count, **text.accuracy}
+    if vae is not None:
+        out["vae_reconstruction"] = {"count": vae.count, **vae.accuracy}
     if edits:
         out["edits"] = {k: {"count": r.count, **r.accuracy} for k, r in edits.items()}
     return out
@@ -397,11 +461,11 @@ def main(argv: list[str] | None = None) -> int:
         p = parser()
         args = p.parse_args(argv)
         _check_args(p, args)
-        text, edits = run(args)
-        print(format_reports(text, edits))
+        text, edits, vae = run(args)
+        print(format_reports(text, edits, vae))
         if args.json:
             try:
-                io.atomic_write_json(args.json, to_json(text, edits))
+                io.atomic_write_json(args.json, to_json(text, edits, vae))
             except OSError as e:
                 raise SdxError(f"--json {args.json}: {e.strerror or e}") from None
 

@@ -52,8 +52,9 @@ def init_state(params, tx: optax.GradientTransformation, use_ema: bool) -> Train
     devices. (A plain `jax.jit(tx.init)` would put every moment, unsplit, on the default device.)"""
     shardings = jax.tree.map(lambda x: x.sharding, params)
     replicated = _replicated(jax.tree.leaves(shardings)[0])
-    opt_shardings = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), shardings,
-                                          transform_non_params=lambda _: replicated)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # a frozen parameter's place (optimizer.frozen_except)
+    opt_shardings = optax.tree_map_params(tx, lambda p, s: p if masked(p) else s, jax.eval_shape(tx.init, params),
+                                          shardings, transform_non_params=lambda _: replicated, is_leaf=masked)
     opt = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     ema = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params) if use_ema else None
     return TrainState(params=params, opt=opt, ema=ema, step=jax.device_put(jnp.zeros((), jnp.int32), replicated))

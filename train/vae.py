@@ -6,7 +6,9 @@
 The loss is LDM's without the perceptual and adversarial terms: per sample the summed reconstruction
 error over pixels (L1, or L2 with --reconstruction_loss l2) of the decoded posterior sample, plus
 --kl_weight times the KL divergence of the posterior from N(0, 1) summed over latent elements; the
-mean over the batch. The metrics also carry the mean absolute error per pixel (`l1_per_pixel`) and
+mean over the batch. With --decoder_only the encoder is frozen (no gradient flows into it, the optimizer
+neither moves nor decays it): the latents it gives, which a diffusion model was trained on, stay the
+same, and only their decoding improves. The metrics also carry the mean absolute error per pixel (`l1_per_pixel`) and
 the KL per latent element, which are comparable across resolutions.
 
 Output: from a pipeline (--pretrained_model_name_or_path) the whole pipeline with the new VAE, an sdx
@@ -34,6 +36,9 @@ from train import data, export, loop, models, objective, sources
 from train.config import TrainConfig
 
 
+ENCODER_SIDE = ("encoder", "quant_conv")  # what --decoder_only freezes
+
+
 def vae_config(spec: str) -> VAEConfig:
     """--vae_config: a preset name (its VAE) or a diffusers VAE config.json."""
     path = Path(spec)
@@ -50,6 +55,8 @@ def vae_loss(graphdef, cfg: TrainConfig):
         vae = nnx.merge(graphdef, params)
         x = batch["pixels"]
         dist = vae.encode(x)
+        if cfg.decoder_only:  # the KL term is then a constant
+            dist = jax.lax.stop_gradient(dist)
         z = objective.posterior_sample(keys, jnp.concatenate([dist.mean, dist.logvar], axis=-1))
         recon = vae.decode(z).astype(jnp.float32)
         err = jnp.abs(recon - x) if cfg.reconstruction_loss == "l1" else (recon - x) ** 2
@@ -89,6 +96,12 @@ class VAETask:
 
     def loss_fn(self, graphdef):
         return vae_loss(graphdef, self.cfg)
+
+    def frozen(self, params):
+        """Under --decoder_only, True for the encoder's side (encoder, quant_conv); else None (all train)."""
+        if not self.cfg.decoder_only:
+            return None
+        return jax.tree_util.tree_map_with_path(lambda path, _: path[0].key in ENCODER_SIDE, params)
 
     def validate(self, vae: nnx.Module, step: int, metrics) -> None:
         """Originals (top row) over their reconstructions from the posterior mode (bottom row)."""
