@@ -9,6 +9,11 @@ A random-weight diffusers folder is built for the preset (no download: the archi
 memory, and sdx's ratio to diffusers. diffusers runs when torch and diffusers are installed.
 Peak memory is the accelerator's peak allocation on GPU/TPU and the process's peak RSS on the CPU.
 
+Achieved FLOP/s: the job's floating-point operations by XLA's own cost analysis of sdx's compiled
+programs (the same model math for both frameworks) over each one's seconds, next to the machine's peak
+as each framework reaches it in its own process: the best of 5 float32 (or bfloat16) 2048×2048 matrix
+products (jnp.matmul for sdx, torch.matmul for diffusers).
+
 `--end-to-end N` measures what a user waits for instead: the wall time of a fresh process making one
 image, `python -m sdx.sample` (its compilation cache warmed by one untimed run first) against a
 diffusers script doing the same job (load, generate, write the PNG), alternated N times; the medians
@@ -92,6 +97,21 @@ def machine() -> str:
     return f"{time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
 
 
+MATMUL_N = 2048
+
+
+def matmul_peak(matmul, operand, sync=lambda x: x) -> float:
+    """FLOP/s of the best of 5 MATMUL_N² matrix products (after one warm-up)."""
+    a, b = operand(), operand()
+    sync(matmul(a, b))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sync(matmul(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * MATMUL_N**3 / best
+
+
 def run_sdx(args) -> dict:
     import jax
     import numpy as np
@@ -115,10 +135,13 @@ def run_sdx(args) -> dict:
         times.append(time.perf_counter() - t0)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
+    peak_bytes = stats.get("peak_bytes_in_use") or peak_rss_bytes()  # before the matmul's buffers
+    operand = lambda: jax.numpy.ones((MATMUL_N, MATMUL_N), args.dtype)
     return {
         "framework": "sdx", "device": f"{device.platform}:{device.device_kind}", "compile_s": first - min(times),
-        "seconds": min(times), "peak_bytes": stats.get("peak_bytes_in_use") or peak_rss_bytes(),
-        "memory_kind": "device peak" if stats else "process peak RSS",
+        "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if stats else "process peak RSS",
+        "flops": sum(pipe.sampler.flops().values()),
+        "matmul_peak": matmul_peak(jax.jit(jax.numpy.matmul), operand, lambda x: x.block_until_ready()),
     }
 
 
@@ -148,10 +171,14 @@ def run_diffusers(args) -> dict:
             call()
             sync()
             times.append(time.perf_counter() - t0)
+    peak_bytes = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
+    operand = lambda: torch.ones((MATMUL_N, MATMUL_N), dtype=dtype, device=pipe.device)
+    with torch.inference_mode():
+        peak = matmul_peak(torch.matmul, operand, lambda x: (sync(), x)[1])
     return {
         "framework": "diffusers", "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_s": first - min(times),
-        "seconds": min(times), "peak_bytes": torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes(),
-        "memory_kind": "device peak" if cuda else "process peak RSS",
+        "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if cuda else "process peak RSS",
+        "matmul_peak": peak,
     }
 
 
@@ -242,12 +269,17 @@ def main(argv=None) -> int:
         return 1
     print(f"# {machine()}; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
           f"{args.dtype}")
-    print("| framework | device | first call − steady (s) | s/image | images/s | peak memory (GiB) |")
-    print("|---|---|---|---|---|---|")
+    flops = results[0]["flops"]  # XLA's count of the job, the same math for both
+    print(f"# {flops / 1e12:.3f} TFLOP per generation (XLA's cost analysis of sdx's programs)")
+    print("| framework | device | first call − steady (s) | s/image | images/s | peak memory (GiB) | GFLOP/s achieved | "
+          "matmul peak GFLOP/s | of peak |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         per_image = r["seconds"] / args.batch
+        achieved = flops / r["seconds"]
         print(f"| {r['framework']} | {r['device']} | {r['compile_s']:.1f} | {per_image:.3f} | {1 / per_image:.3f} | "
-              f"{r['peak_bytes'] / 2**30:.2f} ({r['memory_kind']}) |")
+              f"{r['peak_bytes'] / 2**30:.2f} ({r['memory_kind']}) | {achieved / 1e9:.1f} | "
+              f"{r['matmul_peak'] / 1e9:.1f} | {achieved / r['matmul_peak']:.0%} |")
     if len(results) == 2:
         s, d = results
         print(f"sdx / diffusers: time {s['seconds'] / d['seconds']:.2f}x, peak memory {s['peak_bytes'] / d['peak_bytes']:.2f}x "

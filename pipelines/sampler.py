@@ -333,6 +333,13 @@ class _Programs:
         stats = [p.memory_analysis() for p in programs]
         return max(m.temp_size_in_bytes + m.output_size_in_bytes for m in stats)
 
+    def flops(self) -> float:
+        """Floating-point operations of one run of the plan, by XLA's own cost analysis of each program.
+        The analysis counts a loop's body once, so a denoise program's count is one model call's."""
+        count = lambda p: float(p.cost_analysis().get("flops", 0.0))
+        per_call = {n: count(d) for n, d in self.denoise.items()}
+        return count(self.prepare) + sum(per_call[n] * n for n in self.sizes) + (count(self.decode) if self.decode else 0.0)
+
 
 class Sampler:
     """Compiles and runs the programs for a set of loaded models on a mesh.
@@ -354,6 +361,10 @@ class Sampler:
         self._programs: dict[Plan, _Programs] = {}
         self.compilations = 0
         self._decode32 = None  # (jitted decode, float32 VAE parameters), made when first needed
+
+    def flops(self) -> dict[Plan, float]:
+        """{plan: XLA's count of the floating-point operations of one run} for every plan compiled so far."""
+        return {plan: programs.flops() for plan, programs in self._programs.items()}
 
     def place(self, inputs: Inputs) -> Inputs:
         """Batch axes split over the mesh (the scheduler's sample-shaped history on its batch axis, the

@@ -62,6 +62,23 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
     assert not np.allclose(first, outs[0]) and not np.allclose(first, outs[1])  # the new values were used
 
 
+def test_flop_count_grows_by_one_unet_call_per_step(tiny_xl):
+    """Sampler.flops (benchmarks/sample.py's FLOP/s): XLA's count of a run, each denoise program counted
+    once per model call, against the UNet's own count on the guidance batch compiled alone."""
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    for steps in (2, 5):
+        pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=steps, guidance_scale=5.0))
+    two, five = sorted(pipe.sampler.flops().values())
+    unet = pipe.sampler.models["unet"]
+    c, side = unet.config, 32 // pipe.factor
+    added = {"text_embeds": jnp.zeros((2, c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim)),
+             "time_ids": jnp.zeros((2, 6))}
+    args = (jnp.zeros((2, side, side, c.in_channels)), jnp.zeros((2,)), jnp.zeros((2, 77, c.cross_attention_dim[0])), added)
+    one_call = jax.jit(lambda m, *a: m(*a)).lower(unet, *args).compile().cost_analysis()["flops"]
+    assert (five - two) / 3 == pytest.approx(one_call, rel=0.02)
+    assert two > 2 * one_call  # and the text encoders and the VAE decode on top
+
+
 class Bar:
     """The part of tqdm's interface the pipeline uses."""
 

@@ -8,8 +8,8 @@ error over pixels (L1, or L2 with --reconstruction_loss l2) of the decoded poste
 --kl_weight times the KL divergence of the posterior from N(0, 1) summed over latent elements; the
 mean over the batch. With --decoder_only the encoder is frozen (no gradient flows into it, the optimizer
 neither moves nor decays it): the latents it gives, which a diffusion model was trained on, stay the
-same, and only their decoding improves. The metrics also carry the mean absolute error per pixel (`l1_per_pixel`) and
-the KL per latent element, which are comparable across resolutions.
+same, and only their decoding improves. The metrics also carry the mean absolute error per pixel
+(`l1_per_pixel`) and the KL per latent element, which are comparable across resolutions.
 
 Output: from a pipeline (--pretrained_model_name_or_path) the whole pipeline with the new VAE, an sdx
 folder in --output_dir; from --vae_config a VAE folder in diffusers' layout (config.json and
