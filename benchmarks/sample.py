@@ -215,7 +215,8 @@ def end_to_end(args, folder: Path) -> None:
     np.save(work / "noise.npy", np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     sdx = [sys.executable, "-m", "sdx.sample", "--model", str(sdx_folder), "--prompt", PROMPT, "--steps", str(args.steps),
            "--height", str(args.size), "--width", str(args.size), "--guidance-scale", "7.0", "--dtype", args.dtype,
-           "--latents", str(work / "noise.npy"), "--output", str(work / "sdx.png"), "--overwrite", "--quiet",
+           "--attention", args.attention, "--latents", str(work / "noise.npy"), "--output", str(work / "sdx.png"),
+           "--overwrite", "--quiet",
            "--cache", str(work / "cache")]
     reference = [sys.executable, __file__, "--worker", "diffusers-e2e", "--folder", str(folder), *sys.argv[1:]]
     subprocess.run(sdx, cwd=REPO, check=True)  # fills the compilation cache
@@ -243,7 +244,8 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--attention", default="xla", help="sdx attention backend (xla, cudnn, chunked)")
+    p.add_argument("--attention", default="xla", help="sdx attention backend (xla, cudnn, chunked; the FLOP count "
+                                                      "needs xla: XLA counts chunked's loop of blocks once)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "sdx-bench"), help="where models are built")
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")

@@ -124,7 +124,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--crops-top-left", type=_size, default=(0, 0), help="SDXL micro-conditioning, TOPxLEFT")
     p.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
     p.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
-    p.add_argument("--attention", choices=BACKENDS, default="xla")
+    p.add_argument("--attention", choices=BACKENDS,
+                   help="attention backend (default: chunked on a CPU, where it is faster from 1,024 tokens on; xla elsewhere)")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
     p.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
     p.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")
@@ -416,9 +417,11 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> lis
     """[the pipeline] or [the SDXL base, the refiner]."""
     from convert.sources import ModelOptions
     from pipelines.pipeline import Pipeline
+    from sdx.attention import default_backend
 
+    attention = args.attention or default_backend()
     load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler,
-                                                    attention=args.attention, mesh=mesh, name=name, **kw)
+                                                    attention=attention, mesh=mesh, name=name, **kw)
     pipe = load(folder, args.model, controlnets=tuple(args.controlnet), cache_dir=cache / "models", log=log)
     if not args.refiner:
         return [pipe]

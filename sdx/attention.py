@@ -4,16 +4,21 @@ Query, key and value stay split by head, `(batch, tokens, heads, head_dim)`, the
 `jax.nn.dot_product_attention` takes, so no backend needs a transpose. The backend is a config
 field of the model (`attention=`), never a global:
 
-- `xla`: the portable reference (every platform). Logits and softmax in float32 whatever the inputs'
-  dtype, which is what diffusers' `upcast_attention`/`upcast_softmax` ask for.
+- `xla`: the portable reference (every platform; `python -m sdx.sample`'s default off the CPU). Logits
+  and softmax in float32 whatever the inputs' dtype, which is what diffusers' `upcast_attention`/
+  `upcast_softmax` ask for.
 - `cudnn`: cuDNN flash attention on NVIDIA GPUs. cuDNN takes only float16/bfloat16 inputs with a
   head_dim that is a multiple of 8 and at most 256 (128 before Hopper), so the choice is made per call
   at trace time (`cudnn_rejects`): a call cuDNN cannot take (the VAE's one 512-wide float32 head) runs
   the `xla` path instead, logged once per reason.
-- `chunked`: queries processed `chunk_size` at a time under `lax.map`, so the `(tokens_q, tokens_k)`
-  logits never exist for all queries at once, in the forward or the backward pass. For very long
-  sequences (the 128² latent of a 2048² image has 16,384 tokens: 1 GiB of float32 logits per head
-  and image).
+- `chunked`: one head and `chunk_size` queries at a time under `lax.map` (the batch stays whole in
+  every block, so a batch split over devices stays split), so only a (batch, chunk, tokens_k) block of
+  logits exists at once, in the forward or the backward pass; attentions with fewer than
+  `BLOCKED_LOGITS` logits per head and image run as `xla`. For very long sequences (the 128² latent
+  of a 2048² image has 16,384 tokens: 1 GiB of float32 logits per head and image), and faster on a
+  CPU from 1,024 tokens on, where the blocks stay in cache (benchmarks/README.md: SD 1.5's
+  1,024- and 4,096-token self-attentions 2.5-3× faster than `xla`), so `python -m sdx.sample` takes it
+  there by default (`default_backend`).
 """
 
 from __future__ import annotations
@@ -27,48 +32,61 @@ import jax
 import jax.numpy as jnp
 
 Backend = Literal["xla", "cudnn", "chunked"]
+BLOCKED_LOGITS = 1024 * 1024  # `chunked` works in blocks from this many logits per head and image on
 BACKENDS: tuple[str, ...] = get_args(Backend)  # the one list of names: CLIs take their choices from here
 
 _log = logging.getLogger(__name__)
 
 
+# einsum specs of the two products: (B, Tq, H, D) inputs with (B, H, Tq, Tk) logits, or one head's (B, T, D)
+_LAYOUTS = {4: ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), 3: ("bqd,bkd->bqk", "bqk,bkd->bqd")}
+
+
 def _reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool) -> jax.Array:
-    """Attention with float32 logits and softmax. q: (B, Tq, H, D), k/v: (B, Tk, H, D).
+    """Attention with float32 logits and softmax. q: (B, Tq, H, D), k/v: (B, Tk, H, D); or one head,
+    q: (B, Tq, D), k/v: (B, Tk, D).
 
     The softmax's division is applied to the (B, Tq, H, D) output instead of the (B, H, Tq, Tk)
     weights: one pass less over the largest tensor (about 30% faster at SD 1.5's 4096 tokens on a CPU,
     same result to float32 rounding).
     """
+    qk, pv = _LAYOUTS[q.ndim]
     # the scale goes on the (B, Tq, H, D) queries, not on the (B, H, Tq, Tk) logits: XLA's CPU fusions
     # would otherwise materialise the scale broadcast to the logits' shape (a second buffer of their size)
     q = q * jnp.asarray(scale, q.dtype)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    logits = jnp.einsum(qk, q, k, preferred_element_type=jnp.float32)
     if causal:
         tq, tk = q.shape[1], k.shape[1]
         keep = jnp.tril(jnp.ones((tq, tk), dtype=bool), k=tk - tq)
         logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
     top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))  # any shift gives the same softmax
-    weights = jnp.exp(logits - top)  # unnormalised, (B, H, Tq, Tk)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    total = weights.sum(axis=-1).transpose(0, 2, 1)[..., None]  # (B, H, Tq) -> (B, Tq, H, 1)
+    weights = jnp.exp(logits - top)  # unnormalised, (B, H, Tq, Tk) or (B, Tq, Tk)
+    out = jnp.einsum(pv, weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    total = weights.sum(axis=-1)  # (B, H, Tq) or (B, Tq)
+    total = total.transpose(0, 2, 1)[..., None] if q.ndim == 4 else total[..., None]  # like out: (..., Tq, [H,] 1)
     return (out / total).astype(v.dtype)
 
 
 def _chunked(q, k, v, scale: float, causal: bool, chunk_size: int) -> jax.Array:
+    """One head and `chunk_size` queries at a time under `lax.map`, each block checkpointed, when the
+    (Tq, Tk) logits are large; `_reference` otherwise (see the module docstring)."""
     if causal:
         raise ValueError("attention='chunked' is for the image models; the causal text encoder uses 'xla'")
     b, tq, h, d = q.shape
-    if tq <= chunk_size:
+    tk = k.shape[1]
+    if tq * tk < BLOCKED_LOGITS:
         return _reference(q, k, v, scale, causal)
-    n = math.ceil(tq / chunk_size)
-    pad = n * chunk_size - tq
-    qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    chunks = qp.reshape(b, n, chunk_size, h, d).transpose(1, 0, 2, 3, 4)  # (n, B, chunk, H, D)
-    # Checkpointed per chunk: without it the backward pass would keep every chunk's softmax weights,
-    # i.e. the whole (Tq, Tk) matrix the chunking exists to avoid.
-    attend = jax.checkpoint(lambda qc: _reference(qc, k, v, scale, False))
-    out = jax.lax.map(attend, chunks)  # (n, B, chunk, H, D)
-    out = out.transpose(1, 0, 2, 3, 4).reshape(b, n * chunk_size, h, d)  # (B, Tq+pad, H, D)
+    c = min(chunk_size, tq)
+    n = math.ceil(tq / c)
+    qp = jnp.pad(q, ((0, 0), (0, n * c - tq), (0, 0), (0, 0)))
+    blocks = qp.reshape(b, n, c, h, d).transpose(1, 3, 0, 2, 4).reshape(n * h, b, c, d)  # (n*H, B, c, D)
+    heads = jnp.tile(jnp.arange(h), n)  # the head of each block
+    k_heads, v_heads = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)  # (H, B, Tk, D)
+    # Checkpointed per block: without it the backward pass would keep every block's softmax weights,
+    # i.e. the whole (Tq, Tk) matrix the blocking exists to avoid.
+    attend = jax.checkpoint(lambda qh: _reference(qh[0], k_heads[qh[1]], v_heads[qh[1]], scale, False))
+    out = jax.lax.map(attend, (blocks, heads))  # (n*H, B, c, D)
+    out = out.reshape(n, h, b, c, d).transpose(2, 0, 3, 1, 4).reshape(b, n * c, h, d)  # (B, Tq+pad, H, D)
     return out[:, :tq]
 
 
@@ -102,6 +120,12 @@ def cudnn_rejects(dtype, head_dim: int, max_head_dim: int | None = None) -> str 
 def _log_fallback(reason: str) -> None:
     """Once per distinct reason: a run traces the same shapes many times."""
     _log.warning("attention: cuDNN flash attention cannot take %s; these calls use the xla backend", reason)
+
+
+def default_backend() -> Backend:
+    """The sampler's backend when none is asked for: `chunked` on a CPU (faster and smaller there from
+    1,024 tokens on; below `BLOCKED_LOGITS` it is `xla`), `xla` elsewhere."""
+    return "chunked" if jax.default_backend() == "cpu" else "xla"
 
 
 def dot_product_attention(

@@ -29,7 +29,7 @@ class Compute:
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     attention: Backend = "xla"
-    attention_chunk: int = 1024
+    attention_chunk: int = 512
     remat: bool = False
 
 

@@ -47,8 +47,9 @@ def test_xla_bfloat16_inputs_keep_float32_softmax():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2)
 
 
-@pytest.mark.parametrize("tq, chunk", [(37, 16), (32, 16), (12, 16)])  # ragged last chunk, exact, one chunk
-def test_chunked_equals_xla(tq, chunk):
+@pytest.mark.parametrize("tq, chunk", [(37, 16), (32, 16), (12, 16)])  # ragged last block, exact, one block
+def test_chunked_equals_xla(tq, chunk, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCKED_LOGITS", 1)  # blocks at any size
     q, k, v = _qkv(tq=tq)
     ref = dot_product_attention(q, k, v, backend="xla")
     out = dot_product_attention(q, k, v, backend="chunked", chunk_size=chunk)
@@ -56,7 +57,8 @@ def test_chunked_equals_xla(tq, chunk):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
 
 
-def test_chunked_gradient_equals_xla():
+def test_chunked_gradient_equals_xla(monkeypatch):
+    monkeypatch.setattr(attention, "BLOCKED_LOGITS", 1)
     q, k, v = _qkv(tq=37)
     loss = lambda backend: lambda q, k, v: jnp.sum(
         jnp.sin(dot_product_attention(q, k, v, backend=backend, chunk_size=16))
@@ -65,6 +67,22 @@ def test_chunked_gradient_equals_xla():
     g = jax.jit(jax.grad(loss("chunked"), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(g, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_chunked_blocks_only_large_attentions(monkeypatch):
+    """Below BLOCKED_LOGITS (logits per head and image) the chunked backend is the plain one, no loop."""
+    q, k, v = _qkv(tq=37, tk=29)
+    traced = lambda: str(jax.make_jaxpr(lambda q, k, v: dot_product_attention(q, k, v, backend="chunked",
+                                                                              chunk_size=16))(q, k, v))
+    monkeypatch.setattr(attention, "BLOCKED_LOGITS", 37 * 29 + 1)
+    assert "scan" not in traced()
+    monkeypatch.setattr(attention, "BLOCKED_LOGITS", 37 * 29)
+    assert "scan" in traced()
+
+
+def test_the_sampler_default_is_chunked_on_a_cpu():
+    assert jax.default_backend() != "cpu" or attention.default_backend() == "chunked"
+    assert jax.default_backend() == "cpu" or attention.default_backend() == "xla"
 
 
 def test_chunked_refuses_causal():
