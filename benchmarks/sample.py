@@ -100,8 +100,8 @@ def machine() -> str:
 MATMUL_N = 2048
 
 
-def matmul_peak(matmul, operand, sync=lambda x: x) -> float:
-    """FLOP/s of the best of 5 MATMUL_N² matrix products (after one warm-up)."""
+def matmul_peak(matmul, operand, sync) -> float:
+    """FLOP/s of the best of 5 MATMUL_N² matrix products (after one warm-up); sync(product) waits for one."""
     a, b = operand(), operand()
     sync(matmul(a, b))
     best = float("inf")
@@ -174,7 +174,7 @@ def run_diffusers(args) -> dict:
     peak_bytes = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
     operand = lambda: torch.ones((MATMUL_N, MATMUL_N), dtype=dtype, device=pipe.device)
     with torch.inference_mode():
-        peak = matmul_peak(torch.matmul, operand, lambda x: (sync(), x)[1])
+        peak = matmul_peak(torch.matmul, operand, lambda _: sync())
     return {
         "framework": "diffusers", "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_s": first - min(times),
         "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if cuda else "process peak RSS",

@@ -374,6 +374,11 @@ def _load_vae(spec: str, cache: Path, log):
     return model_folder.load_component(folder, "vae")
 
 
+def _pixels(images: np.ndarray) -> np.ndarray:
+    """uint8 (N, H, W, 3) -> float32 in [-1, 1], what the models take."""
+    return images.astype(np.float32) / 127.5 - 1.0
+
+
 def reconstructor(vae, batch_size: int | None):
     """uint8 (N, H, W, 3) -> uint8: encode, posterior mode, decode, `batch_size` pictures per call."""
     import jax
@@ -383,7 +388,7 @@ def reconstructor(vae, batch_size: int | None):
     def reconstruct(images):
         from pipelines.pipeline import to_uint8
 
-        x = images.astype(np.float32) / 127.5 - 1.0
+        x = _pixels(images)
         step = batch_size or len(x)
         out = np.concatenate([np.asarray(call(vae, x[i:i + step])) for i in range(0, len(x), step)])
         return to_uint8(np.clip((out + 1) / 2, 0, 1))
@@ -425,7 +430,7 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
             cfg = args.guidance_scale if args.guidance_scale is not None else (5.0 if pipe.family.xl else 7.5)
 
             def edit(images, instructions, image_seeds):
-                pixels = images.astype(np.float32) / 127.5 - 1.0
+                pixels = _pixels(images)
                 request = lambda idx, s: Request(
                     prompts=[instructions[i] for i in idx], image=pixels[idx], height=size, width=size,
                     steps=args.steps, seed=s, guidance_scale=cfg, image_guidance_scale=args.image_guidance_scale,
