@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sdx import conv as convlib
 from sdx.attention import Backend, dot_product_attention
 
 
@@ -23,13 +24,15 @@ class Compute:
 
     dtype: activations and matmuls; param_dtype: the stored weights; attention: the backend of
     `sdx.attention.dot_product_attention`; attention_chunk: query chunk for the `chunked` backend;
-    remat: rematerialise (recompute in the backward pass) each UNet block, for training.
+    conv: the backend of every convolution (`sdx.conv`; `auto` takes matrix products where they are
+    faster on a CPU); remat: rematerialise (recompute in the backward pass) each UNet block, for training.
     """
 
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
     attention: Backend = "xla"
     attention_chunk: int = 512
+    conv: convlib.Backend = "auto"
     remat: bool = False
 
 
@@ -46,7 +49,7 @@ def conv(cp: Compute, cin: int, cout: int, kernel: int, *, rngs: nnx.Rngs, strid
         padding = ((kernel // 2, kernel // 2),) * 2
     return nnx.Conv(
         cin, cout, (kernel, kernel), strides=stride, padding=padding,
-        dtype=cp.dtype, param_dtype=cp.param_dtype, rngs=rngs,
+        dtype=cp.dtype, param_dtype=cp.param_dtype, conv_general_dilated=convlib.for_backend(cp.conv), rngs=rngs,
     )
 
 

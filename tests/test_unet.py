@@ -107,12 +107,15 @@ def _run_both(torch_model, model, x, t, ctx, added):
     return np.asarray(out).transpose(0, 3, 1, 2), ref.numpy()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_parity_with_diffusers(name):
+# every case with the default convolutions (on a CPU: 1×1 kernels and the smallest levels as matmuls);
+# three with every convolution as a matmul (sdx.conv), the kernels of 1, 3 and 5 and the unpadded one included
+@pytest.mark.parametrize("name, conv", [(n, "auto") for n in CASES]
+                         + [(n, "matmul") for n in ("sd1", "sdxl", "options-mid=UNetMidBlock2DCrossAttn")])
+def test_parity_with_diffusers(name, conv):
     d = CASES[name]
     cfg = U.UNetConfig.from_diffusers_config(d)
     torch_model = _torch_unet(d)
-    model = _sdx_unet(cfg, torch_model)
+    model = _sdx_unet(cfg, torch_model, Compute(conv=conv))
     out, ref = _run_both(torch_model, model, *_inputs(cfg, SIZES[name]))
     assert out.shape == ref.shape
     err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())

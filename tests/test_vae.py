@@ -85,11 +85,12 @@ def _assert_close(name: str, got, want: np.ndarray) -> float:
     return err
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_parity_with_diffusers(case):
+# every case with the default convolutions, two with every convolution as a matmul (sdx.conv)
+@pytest.mark.parametrize("case, conv", [(c, "auto") for c in CASES] + [(c, "matmul") for c in ("quant_convs", "three_levels_shift")])
+def test_parity_with_diffusers(case, conv):
     kw, (b, h, w) = CASES[case]["kw"], CASES[case]["image"]
     tmodel = _torch_vae(kw)
-    model = _sdx_vae(tmodel)
+    model = _sdx_vae(tmodel, Compute(conv=conv))
     cfg = model.config
     f = cfg.downsample_factor
     assert f == 2 ** (len(kw["block_out_channels"]) - 1)

@@ -1,0 +1,110 @@
+"""sdx.conv: the matmul form of a convolution equals torch's conv2d (values and gradients), `auto` takes
+it exactly where its rule says, and calls it cannot compute fall back to XLA's convolution."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sdx import conv as convlib
+from sdx.layers import Compute, conv
+
+torch = pytest.importorskip("torch")
+
+# (kernel, stride, padding as sdx.layers.conv takes it): every form the UNet, VAE and ControlNet build
+FORMS = {
+    "1x1": (1, 1, None),
+    "3x3": (3, 1, None),
+    "3x3 stride 2": (3, 2, None),  # the UNet's Downsample2D
+    "3x3 stride 2, pad bottom-right": (3, 2, ((0, 1), (0, 1))),  # the VAE's Downsample2D
+    "5x5": (5, 1, None),  # conv_out_kernel=5
+    "3x3 unpadded": (3, 1, ((0, 0), (0, 0))),  # downsample_padding=0 before its explicit pad
+}
+
+
+def _layer(kernel, stride, padding, backend, cin=6, cout=5):
+    layer = conv(Compute(conv=backend), cin, cout, kernel, stride=stride, padding=padding, rngs=nnx.Rngs(0))
+    r = np.random.default_rng(1)
+    layer.kernel[...] = jnp.asarray(r.standard_normal(layer.kernel.shape), jnp.float32)
+    layer.bias[...] = jnp.asarray(r.standard_normal(layer.bias.shape), jnp.float32)
+    return layer
+
+
+def _torch_conv(layer, x, kernel, stride, padding):
+    """torch's conv2d of the same NHWC input with the same HWIO kernel, and its gradients."""
+    (top, bottom), (left, right) = padding or ((kernel // 2, kernel // 2),) * 2
+    xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy()).requires_grad_()
+    wt = torch.from_numpy(np.asarray(layer.kernel[...]).transpose(3, 2, 0, 1).copy()).requires_grad_()
+    bt = torch.from_numpy(np.array(layer.bias[...]))
+    out = torch.nn.functional.conv2d(torch.nn.functional.pad(xt, (left, right, top, bottom)), wt, bt, stride=stride)
+    torch.sin(out).sum().backward()
+    return (out.detach().numpy().transpose(0, 2, 3, 1), xt.grad.numpy().transpose(0, 2, 3, 1),
+            wt.grad.numpy().transpose(2, 3, 1, 0))
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("backend", convlib.BACKENDS)
+def test_every_backend_is_torch_conv2d(form, backend):
+    kernel, stride, padding = FORMS[form]
+    layer = _layer(kernel, stride, padding, backend)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 11, 13, 6)), jnp.float32)  # non-square
+
+    graphdef, params = nnx.split(layer)
+    loss = lambda params, x: jnp.sin(nnx.merge(graphdef, params)(x)).sum()
+    out = layer(x)
+    g_params, g_x = jax.grad(loss, argnums=(0, 1))(params, x)
+    g_kernel = g_params["kernel"][...]
+    want_out, want_gx, want_gk = _torch_conv(layer, x, kernel, stride, padding)
+    assert out.shape == want_out.shape
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5 * np.abs(want_out).max())
+    np.testing.assert_allclose(np.asarray(g_x), want_gx, atol=2e-5 * np.abs(want_gx).max())
+    np.testing.assert_allclose(np.asarray(g_kernel), want_gk, atol=2e-5 * np.abs(want_gk).max())
+
+
+def _primitives(layer, x) -> set[str]:
+    return {e.primitive.name for e in jax.make_jaxpr(lambda x: layer(x))(x).eqns}
+
+
+def test_matmul_backend_has_no_convolution():
+    for kernel, stride, padding in FORMS.values():
+        layer = _layer(kernel, stride, padding, "matmul")
+        used = _primitives(layer, jnp.zeros((2, 11, 13, 6)))
+        assert "conv_general_dilated" not in used and "dot_general" in used
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="`auto` is `xla` off the CPU")
+def test_auto_takes_a_matmul_where_its_rule_says():
+    """On a CPU: a 1×1 kernel always; a larger one when B·Ho·Wo ≤ C (patch rows ≤ input channels)."""
+    uses_conv = lambda kernel, stride, b, hw, c: "conv_general_dilated" in _primitives(
+        _layer(kernel, stride, None, "auto", cin=c), jnp.zeros((b, hw, hw, c)))
+    assert not uses_conv(1, 1, 2, 32, 8)  # 2,048 rows, 8 channels: still a matmul
+    assert not uses_conv(3, 1, 2, 4, 32)  # 32 rows, 32 channels
+    assert uses_conv(3, 1, 2, 4, 31)  # 32 rows, 31 channels
+    assert not uses_conv(3, 2, 2, 8, 32)  # stride 2: 2·4·4 = 32 output rows
+    assert uses_conv(3, 1, 2, 8, 32)  # stride 1: 128 rows
+
+
+def test_calls_the_matmul_cannot_compute_stay_convolutions():
+    x, w = jnp.ones((1, 6, 6, 4)), jnp.ones((3, 3, 4, 4))
+    nhwc = jax.lax.conv_dimension_numbers(x.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
+    f = convlib.for_backend("matmul")
+    calls = {
+        "string padding": lambda x: f(x, w, (1, 1), "SAME", dimension_numbers=nhwc),
+        "dilation": lambda x: f(x, w, (1, 1), ((2, 2), (2, 2)), rhs_dilation=(2, 2), dimension_numbers=nhwc),
+        "groups": lambda x: f(x, jnp.ones((3, 3, 2, 4)), (1, 1), ((1, 1), (1, 1)), feature_group_count=2,
+                              dimension_numbers=jax.lax.conv_dimension_numbers(x.shape, (3, 3, 2, 4),
+                                                                               ("NHWC", "HWIO", "NHWC"))),
+        "NCHW layout": lambda x: f(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), (1, 1), ((1, 1), (1, 1))),
+    }
+    for name, call in calls.items():
+        eqns = {e.primitive.name for e in jax.make_jaxpr(call)(x).eqns}
+        assert "conv_general_dilated" in eqns, name
+
+
+def test_models_built_alike_have_equal_graphs_and_unknown_names_are_refused():
+    """The backend is a module-level function, so jit's cache (keyed on the graph) sees equal models."""
+    build = lambda: nnx.graphdef(_layer(3, 1, None, "auto"))
+    assert build() == build()
+    with pytest.raises(ValueError, match="conv backend 'cudnn' is not one of auto, xla, matmul"):
+        convlib.for_backend("cudnn")
