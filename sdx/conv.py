@@ -33,11 +33,11 @@ def _as_matmul(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, di
                feature_group_count, **kw) -> bool:
     """Whether this call is one the matmul form computes: NHWC/HWIO, explicit padding, no dilation,
     no groups, no output sharding asked for."""
+    if lhs.ndim != 4 or dimension_numbers != lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC):
+        return False
     plain = lambda d: d is None or all(x == 1 for x in d)
-    layout = lax.conv_dimension_numbers(lhs.shape, rhs.shape, _NHWC)
-    return (lhs.ndim == 4 and not isinstance(padding, str) and plain(lhs_dilation) and plain(rhs_dilation)
-            and feature_group_count == 1 and kw.get("batch_group_count", 1) == 1
-            and kw.get("out_sharding") is None and dimension_numbers == layout)
+    return (not isinstance(padding, str) and plain(lhs_dilation) and plain(rhs_dilation)
+            and feature_group_count == 1 and kw.get("batch_group_count", 1) == 1 and kw.get("out_sharding") is None)
 
 
 def _out_size(lhs, rhs, window_strides, padding) -> tuple[int, int]:

@@ -96,6 +96,7 @@ def test_calls_the_matmul_cannot_compute_stay_convolutions():
                               dimension_numbers=jax.lax.conv_dimension_numbers(x.shape, (3, 3, 2, 4),
                                                                                ("NHWC", "HWIO", "NHWC"))),
         "NCHW layout": lambda x: f(x.transpose(0, 3, 1, 2), w.transpose(3, 2, 0, 1), (1, 1), ((1, 1), (1, 1))),
+        "1-D": lambda x: f(x[0], w[0], (1,), ((1, 1),), dimension_numbers=("NHC", "HIO", "NHC")),
     }
     for name, call in calls.items():
         eqns = {e.primitive.name for e in jax.make_jaxpr(call)(x).eqns}
