@@ -11,7 +11,7 @@ Every `sdx.layers.conv` (NHWC inputs, HWIO kernels) calls `for_backend(Compute.c
   the patch matrix has no more rows than the input has channels (B·Ho·Wo ≤ C); `xla` otherwise and on
   every other platform. XLA's CPU convolution splits its work over output pixels, so at the UNet's
   low-resolution levels (8×8 latents, 1,280 channels) it reaches a third of the matmul rate; there
-  the patches cost little to gather (benchmarks/README.md: SD 1.5's UNet call at 256², 2.8 s → 2.0 s).
+  the patches cost little to gather (benchmarks/README.md: SD 1.5's UNet call at 256², 2.99 s → 2.06 s).
   At high resolution gathering the patches costs more than it saves, so those stay `xla`.
 """
 
@@ -46,11 +46,12 @@ def _out_size(lhs, rhs, window_strides, padding) -> tuple[int, int]:
                  for n, (lo, hi), k, s in zip(lhs.shape[1:3], padding, rhs.shape[:2], window_strides))
 
 
-def _matmul(lhs, rhs, window_strides, padding, precision=None, preferred_element_type=None):
-    """The convolution of NHWC `lhs` by the HWIO kernel `rhs` as one matrix product over patches."""
+def _matmul(lhs, rhs, window_strides, padding, out_size, precision, preferred_element_type):
+    """The convolution of NHWC `lhs` by the HWIO kernel `rhs` (output (Ho, Wo) = `out_size`) as one
+    matrix product over patches."""
     b, _, _, c = lhs.shape
     kh, kw, _, o = rhs.shape
-    (sh, sw), (ho, wo) = window_strides, _out_size(lhs, rhs, window_strides, padding)
+    (sh, sw), (ho, wo) = window_strides, out_size
     x = jnp.pad(lhs, ((0, 0), *padding, (0, 0)))
     taps = [x[:, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw, :] for i in range(kh) for j in range(kw)]
     patches = taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)  # (B, Ho, Wo, kh*kw*C), HWI order
@@ -66,7 +67,7 @@ def _call(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=Non
         kh, kw_, c, _ = rhs.shape
         ho, wo = _out_size(lhs, rhs, window_strides, padding)
         if not auto or (jax.default_backend() == "cpu" and (kh * kw_ == 1 or lhs.shape[0] * ho * wo <= c)):
-            return _matmul(lhs, rhs, window_strides, padding, precision, preferred_element_type)
+            return _matmul(lhs, rhs, window_strides, padding, (ho, wo), precision, preferred_element_type)
     return lax.conv_general_dilated(
         lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
         dimension_numbers=dimension_numbers, feature_group_count=feature_group_count, precision=precision,
