@@ -24,7 +24,8 @@ as each denoise call finishes (while the next one is already queued), then decod
 program with the loop inside: reporting from a compiled loop needs a host callback
 (`jax.debug.callback`), and JAX's persistent compilation cache refuses executables with host
 callbacks, so nothing would be kept across runs. These programs have none (see
-`enable_compilation_cache`).
+`enable_compilation_cache`), and `pipelines.executables` keeps them on disk under a key computed without
+tracing, so a warm start neither traces, lowers nor compiles them.
 
 The price of one model call per denoise call (`chunk=1`, the default) is the host's work per call,
 mostly passing the UNet's parameter arrays: measured 1-2 ms per call against one fused loop on the
@@ -63,7 +64,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import control, guidance, masks, text
+from pipelines import control, executables, guidance, masks, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
@@ -199,7 +200,8 @@ class Fixed:
 
 def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
     """Turn on JAX's persistent compilation cache in `path` (None: leave it off), for programs that took
-    at least `min_compile_secs` to compile."""
+    at least `min_compile_secs` to compile, and with it the sampler's own executables in `path`/executables
+    (`pipelines.executables`)."""
     if path is None:
         return
     Path(path).mkdir(parents=True, exist_ok=True)
@@ -407,8 +409,8 @@ class Sampler:
         t0 = time.perf_counter()
         params = self._prepare_params(plan.family)
         graphdefs = {name: self.graphdefs[name] for name in params}
-        prepare = jax.jit(functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype))
-        prepare = prepare.lower(params, inputs).compile()
+        prepare = executables.compile(functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype),
+                                      params, inputs)
         carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
         keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
         n = inputs.state.num_calls
@@ -416,13 +418,13 @@ class Sampler:
         unet_params = self._denoise_params(plan)
         unet_graphdefs = {name: self.graphdefs[name] for name in unet_params}
         denoise = {
-            calls: jax.jit(functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls),
-                           out_shardings=keep, donate_argnums=1).lower(unet_params, carry, fixed).compile()
+            calls: executables.compile(functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls),
+                                       unet_params, carry, fixed, out_shardings=keep, donate_argnums=1)
             for calls in set(sizes)
         }
         decode = None
         if plan.decode:
-            decode = jax.jit(functools.partial(_decode, self.graphdefs["vae"])).lower(self.params["vae"], carry.latents).compile()
+            decode = executables.compile(functools.partial(_decode, self.graphdefs["vae"]), self.params["vae"], carry.latents)
         self._programs[plan] = _Programs(prepare, denoise, sizes, decode)
         self.compilations += 1
         if self.compile_log:

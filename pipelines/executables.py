@@ -1,0 +1,215 @@
+"""Compiled programs kept on disk under a key computed without tracing, so a warm start skips tracing,
+lowering and compiling.
+
+JAX's persistent compilation cache is keyed by the lowered program: to find an executable, every run
+still traces the function and lowers it first. For SD 1.5 on a 2-core CPU that is about 3.5 s of a
+warm start (the UNet's trace alone is 1 s; SDXL's is longer), against 0.9 s to read the executables.
+
+This cache keys a program by what determines it instead: the function and everything it closes over
+(its `functools.partial` arguments: graph definitions, the plan, dtypes), the shapes, dtypes, weak types,
+shardings and layouts of its arguments, the jit options, and the environment it was compiled in (the
+sdx source, the versions of Python, numpy, jax, jaxlib and flax, every `jax.config` value, `XLA_FLAGS`,
+the devices). Anything in a key that has no stable text (an array, a lambda, an object printed by
+address) makes the program uncachable here: it is compiled as usual, and JAX's own cache still applies.
+A file that cannot be read back is compiled again and replaced. A program kept here is compiled with
+JAX's cache off (see `_without_jax_cache`), so JAX does not keep a second copy.
+
+The cache lives in `executables/` inside JAX's cache folder (`jax_compilation_cache_dir`) and is on
+exactly when JAX's is (`pipelines.sampler.enable_compilation_cache`). Multi-process runs skip it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import os
+import pickle
+import sys
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from sdx import io
+from sdx.errors import SdxError
+
+PACKAGES = ("sdx", "pipelines")  # the code a sampler program is traced from
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Unkeyable(Exception):
+    """A value with no text that is the same in every process."""
+
+
+def compile(fn: functools.partial, *args, **jit_options) -> jax.stages.Compiled:
+    """`jax.jit(fn, **jit_options).lower(*args).compile()`, or the executable stored under the same key."""
+    jitted = jax.jit(fn, **jit_options)
+    path = path_of(fn, args, jit_options)
+    if path is None:
+        return jitted.lower(*args).compile()
+    if path.is_file():
+        try:
+            payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception:  # written by an incompatible build, or damaged: compiled again and replaced
+            pass
+    compiled = _without_jax_cache(jitted.lower(*args).compile)
+    _store(path, compiled)
+    return compiled
+
+
+def _without_jax_cache(compile_: Callable[[], jax.stages.Compiled]) -> jax.stages.Compiled:
+    """compile_() with JAX's persistent cache off: on a CPU, an executable JAX's cache loaded serializes
+    without its kernels (the copy fails with "Function ... not found" when it runs). JAX decides once per
+    process whether its cache is used, so the switch is followed by `reset_cache` both ways."""
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax_cache.reset_cache()
+    try:
+        return compile_()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        jax_cache.reset_cache()
+
+
+def _store(path: Path, compiled: jax.stages.Compiled) -> None:
+    try:
+        blob = pickle.dumps(serialize_executable.serialize(compiled))
+    except Exception:  # an executable the backend cannot serialize (or one with constants): not kept
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        io.atomic_write(path, lambda f: f.write(blob))
+    except (OSError, SdxError):  # a full or read-only cache: the run goes on without it
+        pass
+
+
+def folder() -> Path | None:
+    """Where executables are kept: `executables/` in JAX's cache folder; None when that is off or when
+    several processes share the run."""
+    jax_folder = jax.config.jax_compilation_cache_dir
+    if not jax_folder or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1:
+        return None
+    return Path(jax_folder) / "executables"
+
+
+def path_of(fn: functools.partial, args: tuple, jit_options: dict) -> Path | None:
+    """The file of `jax.jit(fn, **jit_options).lower(*args)`'s executable; None when it is not kept."""
+    where = folder()
+    if where is None:
+        return None
+    try:
+        text = "\n".join((environment(), _text(fn), _text(jit_options), _arguments(args)))
+    except Unkeyable:
+        return None
+    return where / f"{_name(fn.func).rsplit('.', 1)[-1]}-{hashlib.sha256(text.encode()).hexdigest()}"
+
+
+def environment() -> str:
+    """The text of everything outside a program's arguments that changes what it compiles to."""
+    return "\n".join((_installed(), f"XLA_FLAGS={os.environ.get('XLA_FLAGS')}",
+                      f"LIBTPU_INIT_ARGS={os.environ.get('LIBTPU_INIT_ARGS')}",
+                      *(f"{k}={v!r}" for k, v in sorted(jax.config.values.items()))))
+
+
+@functools.lru_cache(maxsize=1)
+def _installed() -> str:
+    """The versions, the sdx source and the devices: fixed for the life of a process."""
+    import flax
+    import jaxlib
+
+    devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
+    return "\n".join((
+        f"python {sys.version}", f"numpy {np.__version__}", f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
+        f"flax {flax.__version__}", f"sdx source {source_digest(ROOT)}",
+        f"platform {jax.devices()[0].client.platform_version}", f"devices {devices}",
+    ))
+
+
+def source_digest(root: Path) -> str:
+    """SHA-256 of every Python file of `PACKAGES` under `root`, with its path."""
+    digest = hashlib.sha256()
+    for package in PACKAGES:
+        for file in sorted((root / package).rglob("*.py")):
+            digest.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _arguments(args: tuple) -> str:
+    """The tree structure and each leaf's shape, dtype, weak type, sharding and layout."""
+    leaves, tree = jax.tree.flatten(args)
+    return _checked(str(tree)) + "\n" + "\n".join(_leaf(x) for x in leaves)
+
+
+def _leaf(x) -> str:
+    if not hasattr(x, "sharding"):  # a host value: traced by its type alone, but its dtype decides the program
+        raise Unkeyable(type(x).__name__)
+    layout = getattr(x, "format", None)
+    return f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {_sharding(x.sharding)} {_checked(repr(layout))}"
+
+
+@functools.lru_cache(maxsize=256)
+def _sharding(sharding: jax.sharding.Sharding) -> str:  # shardings are few and shared by many arrays
+    return f"{_checked(repr(sharding))} on {sorted(d.id for d in sharding.device_set)}"
+
+
+def _text(x) -> str:
+    """A canonical text of a static value: equal in every process for equal values."""
+    kind = type(x)
+    if kind in _SCALARS:
+        return repr(x)
+    if kind in _EMPTY:  # many of a graph definition's attributes
+        return _EMPTY[kind]
+    if isinstance(x, enum.Enum):
+        return f"{_name(kind)}.{x.name}"
+    if isinstance(x, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return _name(x)
+    if isinstance(x, functools.partial):
+        return f"partial({_name(x.func)}, {_text(x.args)}, {_text(x.keywords)})"
+    if isinstance(x, np.dtype):
+        return f"dtype({x})"
+    if isinstance(x, jax.sharding.Sharding):
+        return _sharding(x)
+    if isinstance(x, jax.tree_util.PyTreeDef):
+        return _checked(str(x))
+    if isinstance(x, (list, tuple)):
+        return f"{_name(kind)}({', '.join(map(_text, x))})"
+    if isinstance(x, (set, frozenset)):
+        return f"{_name(kind)}({', '.join(sorted(map(_text, x)))})"
+    if isinstance(x, Mapping):
+        return f"{_name(kind)}({{{', '.join(f'{_text(k)}: {_text(v)}' for k, v in x.items())}}})"
+    if dataclasses.is_dataclass(x):
+        names = _fields(kind)
+        if not names:
+            _EMPTY[kind] = f"{_name(kind)}()"
+            return _EMPTY[kind]
+        return f"{_name(kind)}({', '.join(f'{n}={_text(getattr(x, n))}' for n in names)})"
+    raise Unkeyable(kind.__name__)
+
+
+_SCALARS = frozenset((type(None), bool, int, float, complex, str, bytes))
+_EMPTY: dict[type, str] = {}  # dataclasses without fields: their text is their type's
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
+def _name(obj) -> str:
+    name = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+    if "<" in name:  # a lambda or a local function: its closure is not in its name
+        raise Unkeyable(name)
+    return name
+
+
+def _checked(text: str) -> str:
+    if " at 0x" in text:  # an object printed by its address
+        raise Unkeyable(text)
+    return text

@@ -1,0 +1,182 @@
+"""pipelines.executables: a kept program is loaded without tracing and computes the same; its key changes
+with everything that changes the program (shapes, dtypes, shardings, closed-over values, jit options,
+jax.config, the sdx source) and with nothing else; values with no stable text keep nothing; a damaged file
+is compiled again. The whole cache across processes: tests/test_sampler.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pipelines import executables
+from sdx import mesh as meshlib
+
+
+def _affine(x, y, *, scale, shift):
+    return x * scale + y + shift
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    scale: float
+    names: tuple[str, ...] = ()
+
+
+def _with_options(x, *, options):
+    return x * options.scale
+
+
+@pytest.fixture
+def kept(tmp_path, monkeypatch):
+    """executables keeps programs in tmp_path (JAX's own cache stays as the suite has it: off)."""
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    return tmp_path
+
+
+def _traces(fn_name: str):
+    """A list that grows by one for each trace of a function called `fn_name` from now on."""
+    traced = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, fun_name="", **_: traced.append(1)
+        if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name == fn_name else None)
+    return traced
+
+
+def test_a_kept_program_is_loaded_without_tracing_and_computes_the_same(kept):
+    x, y = jnp.arange(6.0).reshape(2, 3), jnp.ones((2, 3))
+    fn = functools.partial(_affine, scale=2.0, shift=0.5)
+    traced = _traces("_affine")
+    first = executables.compile(fn, x, y)
+    assert len(traced) == 1 and len(list(kept.iterdir())) == 1
+    again = executables.compile(fn, x, y)
+    assert len(traced) == 1  # read back, not traced
+    np.testing.assert_array_equal(again(x, y), first(x, y))
+    np.testing.assert_array_equal(again(x, y), x * 2.0 + y + 0.5)
+
+
+def test_donation_and_output_shardings_survive_the_file(kept):
+    mesh = meshlib.make_mesh(devices=jax.devices()[:1])
+    spec = NamedSharding(mesh, PartitionSpec())
+    x, y = jnp.ones((4, 4)), jnp.ones((4, 4))
+    fn = functools.partial(_affine, scale=3.0, shift=0.0)
+    executables.compile(fn, x, y, donate_argnums=1, out_shardings=spec)
+    loaded = executables.compile(fn, x, y, donate_argnums=1, out_shardings=spec)
+    out = loaded(x, y)
+    assert y.is_deleted()  # donated
+    assert out.sharding == spec
+    np.testing.assert_array_equal(out, np.full((4, 4), 4.0))
+
+
+def _path(fn, *args, **options):
+    return executables.path_of(fn, args, options)
+
+
+def test_the_key_changes_with_everything_that_changes_the_program(kept):
+    x = jnp.ones((2, 3))
+    fn = functools.partial(_affine, scale=2.0, shift=0.5)
+    base = _path(fn, x, x)
+    assert base == _path(functools.partial(_affine, scale=2.0, shift=0.5), jnp.zeros((2, 3)), jnp.full((2, 3), 7.0, jnp.float32))
+    mesh = meshlib.make_mesh(devices=jax.devices()[:1])
+    variants = {
+        "shape": _path(fn, jnp.ones((3, 2)), jnp.ones((3, 2))),
+        "dtype": _path(fn, x.astype(jnp.bfloat16), x),
+        "weak type": _path(fn, x, jnp.asarray(1.0)),
+        "closed-over value": _path(functools.partial(_affine, scale=2.0, shift=0.25), x, x),
+        "closed-over type": _path(functools.partial(_affine, scale=2, shift=0.5), x, x),
+        "function": _path(functools.partial(_with_options, options=Options(2.0)), x),
+        "donation": _path(fn, x, x, donate_argnums=1),
+        "output sharding": _path(fn, x, x, out_shardings=NamedSharding(mesh, PartitionSpec())),
+        "tree structure": _path(fn, {"a": x}, x),
+    }
+    with jax.default_matmul_precision("highest"):
+        variants["jax.config"] = _path(fn, x, x)
+    paths = [base, *variants.values()]
+    assert None not in paths
+    assert len(set(paths)) == len(paths), {k: v.name for k, v in variants.items()}
+    assert base.name.startswith("_affine-")
+
+
+def test_nested_dataclasses_and_sharded_arguments_are_keyed_by_value(kept):
+    x = jnp.ones((2, 3))
+    one = _path(functools.partial(_with_options, options=Options(2.0, ("a", "b"))), x)
+    assert one == _path(functools.partial(_with_options, options=Options(2.0, ("a", "b"))), x)
+    assert one != _path(functools.partial(_with_options, options=Options(2.0, ("a", "c"))), x)
+    mesh = meshlib.make_mesh(devices=jax.devices()[:1])
+    placed = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+    assert _path(functools.partial(_with_options, options=Options(2.0)), placed) != _path(
+        functools.partial(_with_options, options=Options(2.0)), x)
+
+
+class PlainOptions:  # no dataclass: printed by address
+    scale = 2.0
+
+
+def _apply(x, *, f):
+    return f(x)
+
+
+def _scaled(x, *, by):
+    return x * by
+
+
+@pytest.mark.parametrize("fn", [functools.partial(_apply, f=lambda v: v * 2.0),
+                                functools.partial(_scaled, by=np.full(3, 2.0)),
+                                functools.partial(_with_options, options=PlainOptions())],
+                         ids=["lambda", "array", "printed by address"])
+def test_values_without_a_stable_text_keep_nothing_and_still_compile(kept, fn):
+    x = jnp.arange(3.0)
+    assert executables.path_of(fn, (x,), {}) is None
+    np.testing.assert_array_equal(executables.compile(fn, x)(x), [0.0, 2.0, 4.0])
+    assert list(kept.iterdir()) == []
+
+
+def test_a_damaged_file_is_compiled_again_and_replaced(kept):
+    x = jnp.ones((2, 2))
+    fn = functools.partial(_affine, scale=5.0, shift=1.0)
+    executables.compile(fn, x, x)
+    (path,) = kept.iterdir()
+    path.write_bytes(b"not an executable")
+    traced = _traces("_affine")
+    out = executables.compile(fn, x, x)(x, x)
+    np.testing.assert_array_equal(out, np.full((2, 2), 7.0))
+    assert len(traced) == 1
+    assert path.read_bytes() != b"not an executable"
+    executables.compile(fn, x, x)
+    assert len(traced) == 1  # the replacement reads back
+
+
+@pytest.fixture
+def jax_cache_config():
+    """Restores the two jax.config values the test changes (a CLI test in this process may have set them)."""
+    was = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    yield
+    jax.config.update("jax_compilation_cache_dir", was[0])
+    jax.config.update("jax_enable_compilation_cache", was[1])
+
+
+def test_programs_are_kept_exactly_when_jax_s_cache_is_on(jax_cache_config, tmp_path):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    assert executables.folder() == tmp_path / "executables"
+    jax.config.update("jax_enable_compilation_cache", False)
+    assert executables.folder() is None
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", None)
+    assert executables.folder() is None
+    assert executables.path_of(functools.partial(_affine, scale=1.0, shift=0.0), (jnp.ones(2),) * 2, {}) is None
+
+
+def test_the_source_digest_follows_every_python_file(tmp_path):
+    for package in executables.PACKAGES:
+        (tmp_path / package / "sub").mkdir(parents=True)
+        (tmp_path / package / "sub" / "a.py").write_text("x = 1\n")
+    before = executables.source_digest(tmp_path)
+    assert executables.source_digest(tmp_path) == before
+    (tmp_path / executables.PACKAGES[-1] / "sub" / "a.py").write_text("x = 2\n")
+    assert executables.source_digest(tmp_path) != before
+    assert executables.source_digest(executables.ROOT) in executables.environment()
