@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import mmap
 import os
 import struct
 import tempfile
@@ -243,7 +244,10 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise SdxError(f"{path}: corrupt safetensors file: {size - start - cursor} trailing bytes after the last tensor")
     if not entries:
         return {}
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(cursor,)) if cursor else None
+    mm = None
+    if cursor:
+        with open(path, "rb") as f:
+            mm = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8, cursor, start)
     out: dict[str, np.ndarray] = {}
     for begin, end, key, dtype, shape in sorted(entries, key=lambda e: e[2]):
         if end == begin:
@@ -251,6 +255,21 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
         else:
             out[key] = mm[begin:end].view(_ST_DTYPES[dtype]).reshape(shape)
     return out
+
+
+def drop_pages(array: np.ndarray) -> None:
+    """Unmap the file pages under `array`, a view into `read_safetensors`' memory map, from this process: the
+    data stays in the OS page cache and a later read maps it again, but it stops counting in the process's
+    memory once it has been copied (loading SDXL would otherwise hold every file page and every copy at
+    once). Arrays not backed by a memory map are left alone."""
+    base = array.base
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if base is None or array.nbytes == 0 or base.closed:
+        return
+    begin = array.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data  # offset of the view in the map
+    first = begin - begin % mmap.PAGESIZE
+    base.madvise(mmap.MADV_DONTNEED, first, min(begin + array.nbytes, len(base)) - first)
 
 
 def write_safetensors(

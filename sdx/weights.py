@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from sdx import io
 from sdx.errors import SdxError
 
 # torch's `weight` is a kernel (Linear/Conv), a scale (norms) or an embedding table in Flax.
@@ -170,12 +171,17 @@ def where_of(tensors: Mapping[str, np.ndarray], default: str) -> str:
 
 def _put(value: np.ndarray, dtype, target: jax.sharding.Sharding | None) -> jax.Array:
     if target is None:
-        return jnp.asarray(np.asarray(value).astype(dtype, copy=False))
-    # Each device reads (and casts) only its own slice: a memory-mapped tensor is never fully copied
-    # on the host when it is sharded.
-    return jax.make_array_from_callback(
-        tuple(value.shape), target, lambda index: np.asarray(value[index]).astype(dtype, copy=False)
-    )
+        out = jnp.asarray(np.asarray(value).astype(dtype, copy=False))
+    else:
+        # Each device reads (and casts) only its own slice: a memory-mapped tensor is never fully copied
+        # on the host when it is sharded.
+        out = jax.make_array_from_callback(
+            tuple(value.shape), target, lambda index: np.asarray(value[index]).astype(dtype, copy=False)
+        )
+    if isinstance(value, np.ndarray):  # once copied, its file pages leave this process (see io.drop_pages)
+        out.block_until_ready()
+        io.drop_pages(value)
+    return out
 
 
 def materialize(

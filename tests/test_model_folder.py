@@ -291,6 +291,33 @@ def test_abstract_matches_a_real_build():
             assert flat(ours) == flat(ref), (preset, name)
 
 
+def _file_pages() -> int:
+    """Bytes of file-backed memory this process has mapped (Linux)."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status["RssFile"].split()[0]) * 1024
+
+
+def test_a_copied_tensor_leaves_its_file_pages(tmp_path):
+    """Loading copies each tensor out of the memory map; its file pages then leave the process (they stay
+    in the OS page cache), so a load never holds the whole file and all the copies at once."""
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.standard_normal((2048, 4096)).astype(np.float32),
+               "b": rng.standard_normal((2048, 4096)).astype(np.float32)}  # 32 MiB each
+    io.write_safetensors(tmp_path / "big.safetensors", tensors)
+    arrays = io.read_safetensors(tmp_path / "big.safetensors")
+    before = _file_pages()
+    assert float(arrays["a"].sum()) == pytest.approx(float(tensors["a"].sum()), rel=1e-4)
+    assert _file_pages() - before > 30 * 2**20
+    io.drop_pages(arrays["a"])
+    assert _file_pages() - before < 2 * 2**20
+    np.testing.assert_array_equal(arrays["a"], tensors["a"])  # read back from the page cache
+    io.drop_pages(arrays["a"])
+    placed = weights._put(arrays["b"], np.float32, None)  # what materialize does with each parameter
+    assert _file_pages() - before < 2 * 2**20
+    np.testing.assert_array_equal(np.asarray(placed), tensors["b"])
+    io.drop_pages(np.ones(3))  # not a memory map: left alone
+
+
 def test_safetensors_io_matches_the_library(tmp_path):
     from safetensors import safe_open
     from safetensors.numpy import save_file
