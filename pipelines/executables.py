@@ -10,7 +10,9 @@ This cache keys a program by what determines it instead: the function and everyt
 shardings and layouts of its arguments, the jit options, and the environment it was compiled in (the
 sdx source, the versions of Python, numpy, jax, jaxlib and flax, every `jax.config` value, `XLA_FLAGS`,
 the devices). Anything in a key that has no stable text (an array, a lambda, an object printed by
-address) makes the program uncachable here: it is compiled as usual, and JAX's own cache still applies.
+address, a class or function from a module that is neither this repository's nor a keyed library's,
+such as a researcher's own block) makes the program uncachable here: it is compiled as usual, and JAX's
+own cache (keyed by the lowered program) still applies.
 A file that cannot be read back is compiled again and replaced. A program kept here is compiled with
 JAX's cache off (see `_without_jax_cache`), so JAX does not keep a second copy.
 
@@ -39,7 +41,8 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from sdx import io
 from sdx.errors import SdxError
 
-PACKAGES = ("sdx", "pipelines")  # the code a sampler program is traced from
+PACKAGES = ("sdx", "pipelines", "train", "convert")  # this repository's code, keyed by its source
+LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes", "builtins", "functools", "operator")  # by version
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -203,8 +206,11 @@ def _fields(kind: type) -> tuple[str, ...]:
 
 
 def _name(obj) -> str:
-    name = f"{getattr(obj, '__module__', None)}.{getattr(obj, '__qualname__', None)}"
+    module = getattr(obj, "__module__", None) or ""
+    name = f"{module}.{getattr(obj, '__qualname__', None)}"
     if "<" in name:  # a lambda or a local function: its closure is not in its name
+        raise Unkeyable(name)
+    if module.split(".")[0] not in (*PACKAGES, *LIBRARIES):  # code whose changes no key would see
         raise Unkeyable(name)
     return name
 

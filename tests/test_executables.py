@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from pipelines import executables
 from sdx import mesh as meshlib
+from sdx.layers import timestep_embedding
 
 
 def _affine(x, y, *, scale, shift):
@@ -34,9 +36,13 @@ def _with_options(x, *, options):
 
 @pytest.fixture
 def kept(tmp_path, monkeypatch):
-    """executables keeps programs in tmp_path (JAX's own cache stays as the suite has it: off)."""
+    """executables keeps programs in tmp_path (JAX's own cache stays as the suite has it), and takes this
+    file's functions as keyed code."""
     monkeypatch.setattr(executables, "folder", lambda: tmp_path)
-    return tmp_path
+    monkeypatch.setattr(executables, "PACKAGES", (*executables.PACKAGES, __name__.split(".")[0]))
+    executables._installed.cache_clear()  # its source digest then covers this file too
+    yield tmp_path
+    executables._installed.cache_clear()
 
 
 def _traces(fn_name: str):
@@ -134,6 +140,17 @@ def test_values_without_a_stable_text_keep_nothing_and_still_compile(kept, fn):
     assert executables.path_of(fn, (x,), {}) is None
     np.testing.assert_array_equal(executables.compile(fn, x)(x), [0.0, 2.0, 4.0])
     assert list(kept.iterdir()) == []
+
+
+def test_code_outside_the_keyed_modules_keeps_nothing(tmp_path, monkeypatch):
+    """A researcher's own module (here: this test file) is not in the key's source digest, so its
+    functions and classes keep nothing; this repository's code and the keyed libraries do."""
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    x = jnp.arange(8.0)
+    assert executables.path_of(functools.partial(_affine, scale=2.0, shift=0.0), (x, x), {}) is None
+    assert executables.path_of(functools.partial(_with_options, options=Options(2.0)), (x,), {}) is None
+    assert executables.path_of(functools.partial(timestep_embedding, dim=8), (x,), {}) is not None
+    assert executables.path_of(functools.partial(timestep_embedding, dim=8, flip_sin_to_cos=json.loads), (x,), {}) is None
 
 
 def test_a_damaged_file_is_compiled_again_and_replaced(kept):
