@@ -8,7 +8,7 @@ warm start (the UNet's trace alone is 1 s; SDXL's is longer), against 0.9 s to r
 This cache keys a program by what determines it instead: the function and everything it closes over
 (its `functools.partial` arguments: graph definitions, the plan, dtypes), the shapes, dtypes, weak types,
 shardings and layouts of its arguments, the jit options, and the environment it was compiled in (the
-sdx source, the versions of Python, numpy, jax, jaxlib and flax, every `jax.config` value, `XLA_FLAGS`,
+sdx source, the versions of Python, numpy, jax, jaxlib, flax and ml_dtypes, every `jax.config` value, `XLA_FLAGS`,
 the devices). Anything in a key that has no stable text (an array, a lambda, an object printed by
 address, a class or function from a module that is neither this repository's nor a keyed library's,
 such as a researcher's own block) makes the program uncachable here: it is compiled as usual, and JAX's
@@ -31,6 +31,7 @@ import pickle
 import sys
 import types
 from collections.abc import Callable, Mapping
+from importlib import metadata
 from pathlib import Path
 
 import jax
@@ -125,11 +126,11 @@ def environment() -> str:
 def _installed() -> str:
     """The versions, the sdx source and the devices: fixed for the life of a process."""
     import flax
-    import jaxlib
 
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     return "\n".join((
-        f"python {sys.version}", f"numpy {np.__version__}", f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
+        f"python {sys.version}", f"numpy {np.__version__}", f"jax {jax.__version__}",
+        f"jaxlib {metadata.version('jaxlib')}", f"ml_dtypes {metadata.version('ml_dtypes')}",
         f"flax {flax.__version__}", f"sdx source {source_digest(ROOT)}",
         f"platform {jax.devices()[0].client.platform_version}", f"devices {devices}",
     ))
