@@ -257,16 +257,18 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     return out
 
 
-def drop_pages(array: np.ndarray) -> None:
+def drop_pages(array: np.ndarray, copied: Callable[[], object] = lambda: None) -> None:
     """Unmap the file pages under `array`, a view into `read_safetensors`' memory map, from this process: the
     data stays in the OS page cache and a later read maps it again, but it stops counting in the process's
     memory once it has been copied (loading SDXL would otherwise hold every file page and every copy at
-    once). Arrays not backed by a memory map are left alone."""
+    once). `copied()` is called first, only when there are pages to drop (to wait for the copy). Arrays not
+    backed by a memory map are left alone."""
     base = array.base
     while base is not None and not isinstance(base, mmap.mmap):
         base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
     if base is None or array.nbytes == 0 or base.closed:
         return
+    copied()
     begin = array.ctypes.data - np.frombuffer(base, np.uint8).ctypes.data  # offset of the view in the map
     first = begin - begin % mmap.PAGESIZE
     base.madvise(mmap.MADV_DONTNEED, first, min(begin + array.nbytes, len(base)) - first)

@@ -179,8 +179,7 @@ def _put(value: np.ndarray, dtype, target: jax.sharding.Sharding | None) -> jax.
             tuple(value.shape), target, lambda index: np.asarray(value[index]).astype(dtype, copy=False)
         )
     if isinstance(value, np.ndarray):  # once copied, its file pages leave this process (see io.drop_pages)
-        out.block_until_ready()
-        io.drop_pages(value)
+        io.drop_pages(value, out.block_until_ready)
     return out
 
 
