@@ -17,7 +17,10 @@ A file that cannot be read back is compiled again and replaced. A program kept h
 JAX's cache off (see `_without_jax_cache`), so JAX does not keep a second copy.
 
 The cache lives in `executables/` inside JAX's cache folder (`jax_compilation_cache_dir`) and is on
-exactly when JAX's is (`pipelines.sampler.enable_compilation_cache`). Multi-process runs skip it.
+exactly when JAX's is (`pipelines.sampler.enable_compilation_cache`). Multi-process runs skip it. Every
+change to the source gives new keys, so the folder is kept under a size (`jax_compilation_cache_max_size`
+when that is set, else `MAX_BYTES`; JAX's own files are capped by JAX): after each write the least
+recently used files go first (a file read back counts as used).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from sdx.errors import SdxError
 PACKAGES = ("sdx", "pipelines", "train", "convert")  # this repository's code, keyed by its source
 LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes", "builtins", "functools", "operator")  # by version
 ROOT = Path(__file__).resolve().parents[1]
+MAX_BYTES = 2 * 2**30  # the folder's size while jax_compilation_cache_max_size is -1 (no limit for JAX's own)
 
 
 class Unkeyable(Exception):
@@ -60,9 +64,12 @@ def compile(fn: functools.partial, *args, **jit_options) -> jax.stages.Compiled:
     if path.is_file():
         try:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            loaded = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except Exception:  # written by an incompatible build, or damaged: compiled again and replaced
             pass
+        else:
+            _touch(path)
+            return loaded
     compiled = _without_jax_cache(jitted.lower(*args).compile)
     _store(path, compiled)
     return compiled
@@ -90,15 +97,47 @@ def _store(path: Path, compiled: jax.stages.Compiled) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         io.atomic_write(path, lambda f: f.write(blob))
+        _prune(path.parent, keep=path)
     except (OSError, SdxError):  # a full or read-only cache: the run goes on without it
         pass
 
 
+def _touch(path: Path) -> None:
+    """Mark a file used now (its modification time orders what `_prune` removes)."""
+    try:
+        os.utime(path)
+    except OSError:  # a read-only cache is still read
+        pass
+
+
+def _prune(where: Path, keep: Path) -> None:
+    """Remove the least recently used files of `where` until it holds at most the cap (see the module
+    docstring); `keep`, the file just written, stays."""
+    cap = jax.config.jax_compilation_cache_max_size
+    cap = MAX_BYTES if cap < 0 else cap
+    files = []
+    for f in where.iterdir():
+        if f.name.startswith("."):  # another process's write in progress (`io.atomic_write`)
+            continue
+        try:
+            files.append((f.stat(), f))
+        except FileNotFoundError:  # removed meanwhile by another process
+            continue
+    total = sum(st.st_size for st, _ in files)
+    for st, f in sorted(files, key=lambda sf: sf[0].st_mtime_ns):
+        if total <= cap:
+            break
+        if f != keep:
+            f.unlink(missing_ok=True)
+            total -= st.st_size
+
+
 def folder() -> Path | None:
-    """Where executables are kept: `executables/` in JAX's cache folder; None when that is off or when
-    several processes share the run."""
+    """Where executables are kept: `executables/` in JAX's cache folder; None when that is off (a size
+    cap of 0 included) or when several processes share the run."""
     jax_folder = jax.config.jax_compilation_cache_dir
-    if not jax_folder or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1:
+    if (not jax_folder or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1
+            or jax.config.jax_compilation_cache_max_size == 0):
         return None
     return Path(jax_folder) / "executables"
 

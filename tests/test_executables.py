@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -168,13 +169,40 @@ def test_a_damaged_file_is_compiled_again_and_replaced(kept):
     assert len(traced) == 1  # the replacement reads back
 
 
+def test_the_folder_keeps_under_its_cap_dropping_the_least_recently_used(kept, monkeypatch):
+    x = jnp.ones((2, 2))
+    programs = [functools.partial(_affine, scale=float(k), shift=0.0) for k in range(4)]
+    executables.compile(programs[0], x, x)
+    (first,) = kept.iterdir()
+    size = first.stat().st_size
+    monkeypatch.setattr(executables, "MAX_BYTES", int(2.5 * size))  # room for two
+    executables.compile(programs[1], x, x)
+    old = first.stat().st_mtime_ns - 10**9
+    for path in kept.iterdir():  # both written a second ago, programs[0]'s first
+        os.utime(path, ns=(old, old + (path != first)))
+    traced = _traces("_affine")
+    executables.compile(programs[0], x, x)  # read back: now the most recently used
+    assert len(traced) == 0
+    executables.compile(programs[2], x, x)  # a third: programs[1]'s file goes
+    kept_paths = {executables.path_of(p, (x, x), {}) for p in programs[:3]}
+    assert set(kept.iterdir()) == kept_paths - {executables.path_of(programs[1], (x, x), {})}
+    jax.config.update("jax_compilation_cache_max_size", size)  # JAX's cap, when set, is this folder's too
+    try:
+        executables.compile(programs[3], x, x)
+        assert list(kept.iterdir()) == [executables.path_of(programs[3], (x, x), {})]
+    finally:
+        jax.config.update("jax_compilation_cache_max_size", -1)
+
+
 @pytest.fixture
 def jax_cache_config():
     """Restores the two jax.config values the test changes (a CLI test in this process may have set them)."""
-    was = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    was = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache,
+           jax.config.jax_compilation_cache_max_size)
     yield
     jax.config.update("jax_compilation_cache_dir", was[0])
     jax.config.update("jax_enable_compilation_cache", was[1])
+    jax.config.update("jax_compilation_cache_max_size", was[2])
 
 
 def test_programs_are_kept_exactly_when_jax_s_cache_is_on(jax_cache_config, tmp_path):
@@ -183,6 +211,9 @@ def test_programs_are_kept_exactly_when_jax_s_cache_is_on(jax_cache_config, tmp_
     jax.config.update("jax_enable_compilation_cache", False)
     assert executables.folder() is None
     jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_max_size", 0)  # as JAX's own: a cap of 0 keeps nothing
+    assert executables.folder() is None
+    jax.config.update("jax_compilation_cache_max_size", -1)
     jax.config.update("jax_compilation_cache_dir", None)
     assert executables.folder() is None
     assert executables.path_of(functools.partial(_affine, scale=1.0, shift=0.0), (jnp.ones(2),) * 2, {}) is None
