@@ -403,28 +403,41 @@ class Sampler:
         return {name: self.params[name] for name in ("unet", *map(controlnet_name, range(plan.controlnets)))}
 
     def compiled(self, plan: Plan, inputs: Inputs) -> _Programs:
-        """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings)."""
+        """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings), or
+        read from `pipelines.executables`' files, all at once."""
         if plan in self._programs:
             return self._programs[plan]
         t0 = time.perf_counter()
         params = self._prepare_params(plan.family)
         graphdefs = {name: self.graphdefs[name] for name in params}
-        prepare = executables.compile(functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype),
-                                      params, inputs)
-        carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
-        keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
+        prepare_fn = functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype)
         n = inputs.state.num_calls
         sizes = (self.chunk,) * (n // self.chunk) + ((n % self.chunk,) if n % self.chunk else ())
         unet_params = self._denoise_params(plan)
         unet_graphdefs = {name: self.graphdefs[name] for name in unet_params}
-        denoise = {
-            calls: executables.compile(functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls),
-                                       unet_params, carry, fixed, out_shardings=keep, donate_argnums=1)
-            for calls in set(sizes)
-        }
-        decode = None
-        if plan.decode:
-            decode = executables.compile(functools.partial(_decode, self.graphdefs["vae"]), self.params["vae"], carry.latents)
+        denoise_fns = {calls: functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls) for calls in set(sizes)}
+        decode_fn = functools.partial(_decode, self.graphdefs["vae"]) if plan.decode else None
+
+        # denoise and decode also take prepare's outputs: their keys name prepare's, so a warm start reads
+        # all three files at once
+        prepare_path = executables.path_of(prepare_fn, (params, inputs), {})
+        after = lambda fn, fn_params, **options: (None if prepare_path is None else
+                                                  executables.path_of(fn, (fn_params,), options, after=prepare_path))
+        paths = {calls: after(fn, unet_params, donate_argnums=1) for calls, fn in denoise_fns.items()}
+        decode_path = after(decode_fn, self.params["vae"]) if plan.decode else None
+        stored = executables.read([prepare_path, *paths.values(), decode_path])
+        prepare, denoise, decode = stored[0], dict(zip(paths, stored[1:-1])), stored[-1]
+
+        if prepare is None:
+            prepare = executables.compile(prepare_fn, params, inputs, path=prepare_path)
+        carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
+        keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
+        for calls, fn in denoise_fns.items():
+            if denoise[calls] is None:
+                denoise[calls] = executables.compile(fn, unet_params, carry, fixed, path=paths[calls],
+                                                     out_shardings=keep, donate_argnums=1)
+        if plan.decode and decode is None:
+            decode = executables.compile(decode_fn, self.params["vae"], carry.latents, path=decode_path)
         self._programs[plan] = _Programs(prepare, denoise, sizes, decode)
         self.compilations += 1
         if self.compile_log:

@@ -154,6 +154,21 @@ def test_code_outside_the_keyed_modules_keeps_nothing(tmp_path, monkeypatch):
     assert executables.path_of(functools.partial(timestep_embedding, dim=8, flip_sin_to_cos=json.loads), (x,), {}) is None
 
 
+def test_programs_read_side_by_side_and_keys_named_after_another(kept):
+    x = jnp.ones((2, 2))
+    first, second = (functools.partial(_affine, scale=float(k), shift=0.0) for k in (1, 2))
+    made = executables.path_of(first, (x, x), {})
+    after = executables.path_of(second, (x,), {}, after=made)  # takes `first`'s output besides x
+    assert after not in (None, executables.path_of(second, (x,), {}),
+                         executables.path_of(second, (x,), {}, after=executables.path_of(second, (x, x), {})))
+    out = executables.compile(first, x, x)(x, x)
+    executables.compile(second, x, out, path=after)
+    traced = _traces("_affine")
+    a, b, missing, none = executables.read([made, after, kept / "absent", None])
+    assert missing is None and none is None and len(traced) == 0
+    np.testing.assert_array_equal(b(x, a(x, x)), x + x * 2.0 + x * 1.0)
+
+
 def test_a_damaged_file_is_compiled_again_and_replaced(kept):
     x = jnp.ones((2, 2))
     fn = functools.partial(_affine, scale=5.0, shift=1.0)
