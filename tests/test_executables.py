@@ -211,7 +211,7 @@ def test_the_folder_keeps_under_its_cap_dropping_the_least_recently_used(kept, m
 
 @pytest.fixture
 def jax_cache_config():
-    """Restores the two jax.config values the test changes (a CLI test in this process may have set them)."""
+    """Restores the jax.config values the tests change (a CLI test in this process may have set them)."""
     was = (jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache,
            jax.config.jax_compilation_cache_max_size)
     yield
