@@ -58,7 +58,7 @@ class Unkeyable(Exception):
     """A value with no text that is the same in every process."""
 
 
-KEYED = "keyed"  # `compile`'s default: the file is `path_of(fn, args, jit_options)`
+KEYED = "keyed"  # `compile`'s default: the file is `path_of(fn, args, jit_options)`, known once args are
 
 
 def compile(fn: functools.partial, *args, path: Path | None | str = KEYED, **jit_options) -> jax.stages.Compiled:
@@ -76,15 +76,16 @@ def compile(fn: functools.partial, *args, path: Path | None | str = KEYED, **jit
     return compiled
 
 
-def read(paths: list[Path | None]) -> list[jax.stages.Compiled | None]:
+def read(paths: list[Path | None | str]) -> list[jax.stages.Compiled | None]:
     """The executables stored in `paths`, read side by side (XLA reads each on one core: SDXL's three in
-    3.3-3.5 s instead of 5.2 s on two cores); None for a path that is None, absent or unreadable."""
+    3.3-3.5 s instead of 5.2 s on two cores); None for a path that is None or `KEYED` (not known before
+    compiling), absent or unreadable."""
     with ThreadPoolExecutor(max_workers=max(len(paths), 1)) as pool:
         return list(pool.map(_read, paths))
 
 
-def _read(path: Path | None) -> jax.stages.Compiled | None:
-    if path is None or not path.is_file():
+def _read(path: Path | None | str) -> jax.stages.Compiled | None:
+    if not isinstance(path, Path) or not path.is_file():
         return None
     try:
         payload, in_tree, out_tree = pickle.loads(path.read_bytes())

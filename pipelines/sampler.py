@@ -419,9 +419,10 @@ class Sampler:
         decode_fn = functools.partial(_decode, self.graphdefs["vae"]) if plan.decode else None
 
         # denoise and decode also take prepare's outputs: their keys name prepare's, so a warm start reads
-        # all three files at once
+        # all three files at once. A prepare without a key (a researcher's own text encoder or VAE class)
+        # leaves them keyed by all their arguments, known once prepare is compiled.
         prepare_path = executables.path_of(prepare_fn, (params, inputs), {})
-        after = lambda fn, fn_params, **options: (None if prepare_path is None else
+        after = lambda fn, fn_params, **options: (executables.KEYED if prepare_path is None else
                                                   executables.path_of(fn, (fn_params,), options, after=prepare_path))
         paths = {calls: after(fn, unet_params, donate_argnums=1) for calls, fn in denoise_fns.items()}
         decode_path = after(decode_fn, self.params["vae"]) if plan.decode else None

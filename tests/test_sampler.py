@@ -22,6 +22,7 @@ import pytest
 from flax import nnx
 from PIL import Image
 
+from pipelines import executables
 from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request, batches
@@ -135,6 +136,32 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
     first = np.load(tmp_path / "jax-only.npy")
     for name in ("second", "third"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), first)
+
+
+def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_path, monkeypatch):
+    """A researcher's own text encoder class (from a module no key covers) leaves `prepare` uncachable
+    here; denoise and decode, which take its outputs, are then keyed by all their arguments and still
+    kept: a second pipeline traces prepare again, but neither of them."""
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    mesh = meshlib.make_mesh(devices=jax.devices()[:1])
+    request = Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0)
+    traced = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, fun_name="", **_: traced.append(fun_name.removeprefix("jit(").removesuffix(")"))
+        if event == "/jax/core/compile/jaxpr_trace_duration" else None)
+    images = []
+    for _ in range(2):
+        pipe = Pipeline.load(tiny_xl, mesh=mesh)
+        encoder = pipe.sampler.models["text_encoder"]
+        own = type("OwnTextEncoder", (type(encoder),), {"__module__": __name__})
+        encoder.__class__ = own
+        own_pipe = Pipeline.from_models(pipe.sampler.models, family=pipe.family, scheduler=pipe.scheduler,
+                                        tokenizers=pipe.tokenizers, mesh=mesh, name="own")
+        traced.clear()
+        images.append(own_pipe(request))
+    assert {f.name.split("-")[0] for f in tmp_path.iterdir()} == {"_denoise", "_decode"}
+    assert traced.count("_prepare") == 1 and traced.count("_denoise") == traced.count("_decode") == 0, traced
+    np.testing.assert_array_equal(images[1], images[0])
 
 
 def test_the_model_carries_its_compute_dtype(tiny_xl):
