@@ -7,7 +7,7 @@ warm start (the UNet's trace alone is 1 s; SDXL's is longer), against 0.9 s to r
 
 This cache keys a program by what determines it instead: the function and everything it closes over
 (its `functools.partial` arguments: graph definitions, the plan, dtypes), the shapes, dtypes, weak types,
-shardings and layouts of its arguments, the jit options, and the environment it was compiled in (the
+shardings and layouts of its arguments, the jit and compiler options, and the environment it was compiled in (the
 sdx source, the versions of Python, numpy, jax, jaxlib, flax and ml_dtypes, every `jax.config` value, `XLA_FLAGS`,
 the devices). Anything in a key that has no stable text (an array, a lambda, an object printed by
 address, a class or function from a module that is neither this repository's nor a keyed library's,
@@ -61,17 +61,18 @@ class Unkeyable(Exception):
 KEYED = "keyed"  # `compile`'s default: the file is `path_of(fn, args, jit_options)`, known once args are
 
 
-def compile(fn: functools.partial, *args, path: Path | None | str = KEYED, **jit_options) -> jax.stages.Compiled:
-    """`jax.jit(fn, **jit_options).lower(*args).compile()`, or the executable stored in its file: `path`
-    (None: not kept), by default the one `path_of` keys by all of `args`."""
-    jitted = jax.jit(fn, **jit_options)
-    path = path_of(fn, args, jit_options) if path == KEYED else path
+def compile(fn: functools.partial, *args, path: Path | None | str = KEYED, compiler_options: dict | None = None,
+            **jit_options) -> jax.stages.Compiled:
+    """`jax.jit(fn, **jit_options).lower(*args).compile(compiler_options)`, or the executable stored in its
+    file: `path` (None: not kept), by default the one `path_of` keys by all of `args`."""
+    lowered = lambda: jax.jit(fn, **jit_options).lower(*args)
+    path = path_of(fn, args, jit_options, compiler_options) if path == KEYED else path
     if path is None:
-        return jitted.lower(*args).compile()
+        return lowered().compile(compiler_options)
     loaded = _read(path)
     if loaded is not None:
         return loaded
-    compiled = _without_jax_cache(jitted.lower(*args).compile)
+    compiled = _without_jax_cache(lambda: lowered().compile(compiler_options))
     _store(path, compiled)
     return compiled
 
@@ -163,8 +164,10 @@ def folder() -> Path | None:
     return Path(jax_folder) / "executables"
 
 
-def path_of(fn: functools.partial, args: tuple, jit_options: dict, after: Path | None = None) -> Path | None:
-    """The file of `jax.jit(fn, **jit_options).lower(*args)`'s executable; None when it is not kept.
+def path_of(fn: functools.partial, args: tuple, jit_options: dict, compiler_options: dict | None = None,
+            after: Path | None = None) -> Path | None:
+    """The file of `jax.jit(fn, **jit_options).lower(*args).compile(compiler_options)`'s executable; None
+    when it is not kept.
 
     after: the file of the program whose outputs the program also takes (beyond `args`), with their
     shardings as its output shardings if any: that program's key determines them, so this key holds
@@ -173,7 +176,7 @@ def path_of(fn: functools.partial, args: tuple, jit_options: dict, after: Path |
     if where is None:
         return None
     try:
-        text = "\n".join((environment(), _text(fn), _text(jit_options), _arguments(args)))
+        text = "\n".join((environment(), _text(fn), _text(jit_options), _text(compiler_options), _arguments(args)))
     except Unkeyable:
         return None
     if after is not None:

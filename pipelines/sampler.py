@@ -64,7 +64,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import control, executables, guidance, masks, text
+from pipelines import control, cpu_kernels, executables, guidance, masks, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
@@ -421,24 +421,27 @@ class Sampler:
         # denoise and decode also take prepare's outputs: their keys name prepare's, so a warm start reads
         # all three files at once. A prepare without a key (a researcher's own text encoder or VAE class)
         # leaves them keyed by all their arguments, known once prepare is compiled.
-        prepare_path = executables.path_of(prepare_fn, (params, inputs), {})
-        after = lambda fn, fn_params, **options: (executables.KEYED if prepare_path is None else
-                                                  executables.path_of(fn, (fn_params,), options, after=prepare_path))
+        options = cpu_kernels.compiler_options(self.mesh)
+        prepare_path = executables.path_of(prepare_fn, (params, inputs), {}, options)
+        after = lambda fn, fn_params, **jit_options: (
+            executables.KEYED if prepare_path is None else
+            executables.path_of(fn, (fn_params,), jit_options, options, after=prepare_path))
         paths = {calls: after(fn, unet_params, donate_argnums=1) for calls, fn in denoise_fns.items()}
         decode_path = after(decode_fn, self.params["vae"]) if plan.decode else None
         stored = executables.read([prepare_path, *paths.values(), decode_path])
         prepare, denoise, decode = stored[0], dict(zip(paths, stored[1:-1])), stored[-1]
 
         if prepare is None:
-            prepare = executables.compile(prepare_fn, params, inputs, path=prepare_path)
+            prepare = executables.compile(prepare_fn, params, inputs, path=prepare_path, compiler_options=options)
         carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
         keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
         for calls, fn in denoise_fns.items():
             if denoise[calls] is None:
                 denoise[calls] = executables.compile(fn, unet_params, carry, fixed, path=paths[calls],
-                                                     out_shardings=keep, donate_argnums=1)
+                                                     compiler_options=options, out_shardings=keep, donate_argnums=1)
         if plan.decode and decode is None:
-            decode = executables.compile(decode_fn, self.params["vae"], carry.latents, path=decode_path)
+            decode = executables.compile(decode_fn, self.params["vae"], carry.latents, path=decode_path,
+                                         compiler_options=options)
         self._programs[plan] = _Programs(prepare, denoise, sizes, decode)
         self.compilations += 1
         if self.compile_log:

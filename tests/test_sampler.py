@@ -9,6 +9,7 @@ These run on the embedded demo models (random weights, built once into a tempora
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -22,10 +23,11 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from pipelines import executables
+from pipelines import cpu_kernels, executables
 from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request, batches
+from pipelines.sampler import _decode
 from sdx import mesh as meshlib
 from sdx.layers import Compute
 from sdx.sample import main
@@ -103,7 +105,7 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
     script = textwrap.dedent(
         f"""
         import json, sys, jax, numpy as np
-        from pipelines import executables
+        from pipelines import cpu_kernels, executables
         from pipelines.pipeline import Pipeline
         from pipelines.request import Request
         from pipelines.sampler import enable_compilation_cache
@@ -162,6 +164,23 @@ def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_p
     assert {f.name.split("-")[0] for f in tmp_path.iterdir()} == {"_denoise", "_decode"}
     assert traced.count("_prepare") == 1 and traced.count("_denoise") == traced.count("_decode") == 0, traced
     np.testing.assert_array_equal(images[1], images[0])
+
+
+def test_on_a_cpu_the_programs_are_compiled_without_ynnpack_fusions(tiny_xl):
+    """pipelines.cpu_kernels: none of the three programs holds a YNNPACK fusion, where the same decode
+    compiled with XLA's defaults does (on a jaxlib that has them)."""
+    mesh = meshlib.make_mesh(devices=jax.devices("cpu")[:1])
+    pipe = Pipeline.load(tiny_xl, mesh=mesh)
+    request = Request(prompts=["a red fox"], height=32, width=32, steps=2, guidance_scale=5.0)
+    plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
+                              channels=pipe.channels)[0]
+    programs = pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
+    assert cpu_kernels.compiler_options(mesh) == {cpu_kernels.YNNPACK_FUSIONS: ""}
+    for program in (programs.prepare, *programs.denoise.values(), programs.decode):
+        assert "ynn_fusion" not in program.as_text()
+    latents = jax.ShapeDtypeStruct(programs.prepare.out_info[0].latents.shape, jnp.float32)
+    default = jax.jit(functools.partial(_decode, pipe.sampler.graphdefs["vae"])).lower(pipe.sampler.params["vae"], latents)
+    assert "ynn_fusion" in default.compile().as_text()
 
 
 def test_the_model_carries_its_compute_dtype(tiny_xl):
