@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -166,21 +167,32 @@ def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_p
     np.testing.assert_array_equal(images[1], images[0])
 
 
-def test_on_a_cpu_the_programs_are_compiled_without_ynnpack_fusions(tiny_xl):
-    """pipelines.cpu_kernels: none of the three programs holds a YNNPACK fusion, where the same decode
-    compiled with XLA's defaults does (on a jaxlib that has them)."""
+def _ynn_fusions(hlo: str) -> list[tuple[str, ...]]:
+    """The operations of each YNNPACK fusion in an optimized HLO text."""
+    computations = {}
+    for block in re.split(r"\n(?=%|ENTRY)", hlo):
+        name = re.match(r"%(\S+) ", block)
+        if name:
+            computations[name.group(1)] = tuple(re.findall(r"= \S+ ([\w-]+)\(", block))
+    return [computations[c] for c in re.findall(r"kind=kCustom, calls=%(\S+?),.*__ynn_fusion", hlo)]
+
+
+def test_on_a_cpu_ynnpack_computes_the_matrix_products_alone(tiny_xl):
+    """pipelines.cpu_kernels: every YNNPACK fusion of the three programs is one dot, where the same decode
+    compiled with XLA's defaults also hands YNNPACK convolutions, reductions and fused elementwise work."""
     mesh = meshlib.make_mesh(devices=jax.devices("cpu")[:1])
     pipe = Pipeline.load(tiny_xl, mesh=mesh)
     request = Request(prompts=["a red fox"], height=32, width=32, steps=2, guidance_scale=5.0)
     plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
                               channels=pipe.channels)[0]
     programs = pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
-    assert cpu_kernels.compiler_options(mesh) == {cpu_kernels.YNNPACK_FUSIONS: ""}
+    assert cpu_kernels.compiler_options(mesh) == cpu_kernels.OPTIONS
     for program in (programs.prepare, *programs.denoise.values(), programs.decode):
-        assert "ynn_fusion" not in program.as_text()
+        fusions = _ynn_fusions(program.as_text())
+        assert fusions and set(fusions) == {("parameter", "parameter", "dot")}
     latents = jax.ShapeDtypeStruct(programs.prepare.out_info[0].latents.shape, jnp.float32)
     default = jax.jit(functools.partial(_decode, pipe.sampler.graphdefs["vae"])).lower(pipe.sampler.params["vae"], latents)
-    assert "ynn_fusion" in default.compile().as_text()
+    assert {"convolution", "reduce", "exponential"} <= {op for f in _ynn_fusions(default.compile().as_text()) for op in f}
 
 
 def test_the_model_carries_its_compute_dtype(tiny_xl):
