@@ -1,13 +1,11 @@
 """The XLA:CPU kernels the sampler's programs are compiled with: YNNPACK for matrix products alone.
 
 XLA:CPU (jaxlib 0.10) hands dots, convolutions, reductions and elementwise work around them to YNNPACK
-fusions by default. For the sampler's programs, measured on a 2-core Sapphire Rapids VM
-(benchmarks/README.md, 2026-11-26), that default is the slowest of three choices: each fusion sets
-itself up on a program's first run (SD 1.5's UNet call at 256²: 5.7 s the first time, 1.9 s after), and
-its convolutions and fused products are slower than XLA's own. With YNNPACK off the first run is cheap,
-but SDXL's UNet loses its fast products. YNNPACK for each matrix product alone (`INDIVIDUAL_DOT`) is the
-fastest in steady state for every program measured: the UNet call 10-17 % faster than the default, the
-VAE decode 15-27 % (SD 1.5 and SDXL, 256² and 512²); its first run still sets up, about 2 s for a UNet.
+fusions by default. Each fusion sets itself up on a program's first run, and its convolutions and fused
+work are slower than XLA's own; with YNNPACK off, SDXL's UNet loses its fast matrix products instead.
+YNNPACK for each matrix product alone (`INDIVIDUAL_DOT`) measured best for every program (2-core Sapphire
+Rapids VM, SD 1.5 and SDXL at 256² and 512², benchmarks/README.md): against the default, the first UNet
+call 0.4-4.1 s shorter, later ones equal to 5 % faster, the VAE decode 4-14 % faster.
 
 The choice is per compile (`compiler_options`), so programs a user builds around sdx keep XLA's default,
 and so does training's step. A user who sets the option in `XLA_FLAGS` keeps that choice.
