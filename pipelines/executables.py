@@ -58,7 +58,7 @@ class Unkeyable(Exception):
     """A value with no text that is the same in every process."""
 
 
-KEYED = "keyed"  # `compile`'s default: the file is `path_of(fn, args, jit_options)`, known once args are
+KEYED = "keyed"  # `compile`'s default: the file `path_of` gives for all of `compile`'s own arguments
 
 
 def compile(fn: functools.partial, *args, path: Path | None | str = KEYED, compiler_options: dict | None = None,

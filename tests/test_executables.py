@@ -100,6 +100,7 @@ def test_the_key_changes_with_everything_that_changes_the_program(kept):
         "donation": _path(fn, x, x, donate_argnums=1),
         "output sharding": _path(fn, x, x, out_shardings=NamedSharding(mesh, PartitionSpec())),
         "tree structure": _path(fn, {"a": x}, x),
+        "compiler options": executables.path_of(fn, (x, x), {}, {"xla_cpu_experimental_ynn_fusion_type": ""}),
     }
     with jax.default_matmul_precision("highest"):
         variants["jax.config"] = _path(fn, x, x)
