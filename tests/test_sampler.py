@@ -106,7 +106,7 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
     script = textwrap.dedent(
         f"""
         import json, sys, jax, numpy as np
-        from pipelines import cpu_kernels, executables
+        from pipelines import executables
         from pipelines.pipeline import Pipeline
         from pipelines.request import Request
         from pipelines.sampler import enable_compilation_cache
