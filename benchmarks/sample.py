@@ -9,10 +9,10 @@ A random-weight diffusers folder is built for the preset (no download: the archi
 memory, and sdx's ratio to diffusers. diffusers runs when torch and diffusers are installed.
 Peak memory is the accelerator's peak allocation on GPU/TPU and the process's peak RSS on the CPU.
 
-Achieved FLOP/s: the job's floating-point operations by XLA's own cost analysis of sdx's compiled
-programs (the same model math for both frameworks) over each one's seconds, next to the machine's peak
-as each framework reaches it in its own process: the best of 5 float32 (or bfloat16) 2048×2048 matrix
-products (jnp.matmul for sdx, torch.matmul for diffusers).
+Achieved FLOP/s: the job's floating-point operations, XLA's count of the model math (benchmarks/flops.py;
+the same for both frameworks), over each one's seconds, next to the machine's peak
+as each framework reaches it in its own process: the best of 5 float32 (or bfloat16) products of random
+2048×2048 matrices on a CPU, 8192×8192 on an accelerator (jnp.matmul for sdx, torch.matmul for diffusers).
 
 `--end-to-end N` measures what a user waits for instead: the wall time of a fresh process making one
 image, `python -m sdx.sample` (its compilation cache warmed by one untimed run first) against a
@@ -37,8 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def build_diffusers_folder(preset_name: str, folder: Path) -> Path:
-    """Random-weight diffusers pipeline of `preset_name`, saved with save_pretrained (once)."""
+def build_diffusers_folder(preset_name: str, folder: Path, dtype: str = "float32") -> Path:
+    """Random-weight diffusers pipeline of `preset_name`, saved in `dtype` with save_pretrained (once).
+    The weights are drawn on a CUDA GPU when there is one (SDXL's 3.5 billion on a CPU take minutes)."""
     if (folder / "model_index.json").exists():
         return folder
     import diffusers
@@ -51,15 +52,19 @@ def build_diffusers_folder(preset_name: str, folder: Path) -> Path:
     torch.manual_seed(0)
     preset = presets.get(preset_name)
     public = lambda cfg: {k: v for k, v in cfg.items() if not k.startswith("_")}
-    parts = {
-        "unet": diffusers.UNet2DConditionModel(**public(preset.configs["unet"])),
-        "vae": diffusers.AutoencoderKL(**public(preset.configs["vae"])),
-        "scheduler": getattr(diffusers, preset.configs["scheduler"]["_class_name"]).from_config(preset.configs["scheduler"]),
-    }
+    draw_on = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    saved = lambda model: model.to("cpu", getattr(torch, dtype))
+    with draw_on:
+        parts = {
+            "unet": saved(diffusers.UNet2DConditionModel(**public(preset.configs["unet"]))),
+            "vae": saved(diffusers.AutoencoderKL(**public(preset.configs["vae"]))),
+        }
+    parts["scheduler"] = getattr(diffusers, preset.configs["scheduler"]["_class_name"]).from_config(preset.configs["scheduler"])
     for te, tok in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
         if te in preset.configs:
             cfg = {k: v for k, v in preset.configs[te].items() if k not in ("architectures", "model_type")}
-            parts[te] = getattr(transformers, preset.configs[te]["architectures"][0])(transformers.CLIPTextConfig(**cfg))
+            with draw_on:
+                parts[te] = saved(getattr(transformers, preset.configs[te]["architectures"][0])(transformers.CLIPTextConfig(**cfg)))
             tok_dir = write_builtin_folder(folder / "_tok" / tok, pad_token=preset.tokenizers[tok]["pad_token"])
             parts[tok] = transformers.CLIPTokenizer.from_pretrained(tok_dir)
         else:
@@ -92,24 +97,38 @@ def run_workers(script: str, frameworks, argv, *, extra=(), env=None) -> list[di
     return results
 
 
+def count_flops(args) -> float:
+    """The job's floating-point operations (benchmarks/flops.py), counted in a CPU-only process: on a GPU,
+    JAX gives no cost analysis of a lowered program."""
+    command = [sys.executable, str(REPO / "benchmarks" / "flops.py"), args.preset, str(args.size), str(args.steps),
+               str(args.batch)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    return float(done.stdout.split()[-1])
+
+
 def machine() -> str:
     """The date and the machine, for a results header."""
     return f"{time.strftime('%Y-%m-%d')} {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
 
 
-MATMUL_N = 2048
+def matmul_size(accelerator: bool) -> int:
+    """The matrix side for `matmul_peak`: large enough to fill the device (2048 saturates a CPU; a GPU
+    needs about 8192)."""
+    return 8192 if accelerator else 2048
 
 
-def matmul_peak(matmul, operand, sync) -> float:
-    """FLOP/s of the best of 5 MATMUL_N² matrix products (after one warm-up); sync(product) waits for one."""
-    a, b = operand(), operand()
+def matmul_peak(matmul, operand, n: int, sync) -> float:
+    """FLOP/s of the best of 5 products of two random n×n matrices `operand(n, seed)` (after one
+    warm-up); sync(product) waits for one."""
+    a, b = operand(n, 0), operand(n, 1)
     sync(matmul(a, b))
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
         sync(matmul(a, b))
         best = min(best, time.perf_counter() - t0)
-    return 2 * MATMUL_N**3 / best
+    return 2 * n**3 / best
 
 
 def run_sdx(args) -> dict:
@@ -119,7 +138,9 @@ def run_sdx(args) -> dict:
     from convert.library import ensure_sdx_folder
     from pipelines.pipeline import Pipeline
     from pipelines.request import Request
+    from pipelines.sampler import enable_compilation_cache
 
+    enable_compilation_cache(args.cache)
     folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
     pipe = Pipeline.load(folder, dtype=args.dtype, attention=args.attention)
     noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
@@ -136,12 +157,12 @@ def run_sdx(args) -> dict:
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     peak_bytes = stats.get("peak_bytes_in_use") or peak_rss_bytes()  # before the matmul's buffers
-    operand = lambda: jax.numpy.ones((MATMUL_N, MATMUL_N), args.dtype)
+    operand = lambda n, seed: jax.random.normal(jax.random.key(seed), (n, n), args.dtype)
     return {
         "framework": "sdx", "device": f"{device.platform}:{device.device_kind}", "compile_s": first - min(times),
         "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if stats else "process peak RSS",
-        "flops": sum(pipe.sampler.flops().values()),
-        "matmul_peak": matmul_peak(jax.jit(jax.numpy.matmul), operand, lambda x: x.block_until_ready()),
+        "matmul_peak": matmul_peak(jax.jit(jax.numpy.matmul), operand, matmul_size(device.platform != "cpu"),
+                                   lambda x: x.block_until_ready()),
     }
 
 
@@ -172,9 +193,10 @@ def run_diffusers(args) -> dict:
             sync()
             times.append(time.perf_counter() - t0)
     peak_bytes = torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes()
-    operand = lambda: torch.ones((MATMUL_N, MATMUL_N), dtype=dtype, device=pipe.device)
+    operand = lambda n, seed: torch.randn((n, n), dtype=dtype, device=pipe.device,
+                                          generator=torch.Generator(pipe.device).manual_seed(seed))
     with torch.inference_mode():
-        peak = matmul_peak(torch.matmul, operand, lambda _: sync())
+        peak = matmul_peak(torch.matmul, operand, matmul_size(cuda), lambda _: sync())
     return {
         "framework": "diffusers", "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_s": first - min(times),
         "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if cuda else "process peak RSS",
@@ -191,9 +213,10 @@ def end_to_end_diffusers(args) -> dict:
     import torch
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    pipe = diffusers.DiffusionPipeline.from_pretrained(args.folder, torch_dtype=dtype)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pipe = diffusers.DiffusionPipeline.from_pretrained(args.folder, torch_dtype=dtype).to(device)
     pipe.set_progress_bar_config(disable=True)
-    latents = torch.tensor(np.load(Path(args.work) / "noise.npy"), dtype=dtype)
+    latents = torch.tensor(np.load(Path(args.work) / "noise.npy"), dtype=dtype, device=device)
     image = pipe(PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps, latents=latents,
                  guidance_scale=7.0, output_type="np").images[0]
     Image.fromarray((image * 255).round().astype(np.uint8)).save(Path(args.work) / "diffusers.png")
@@ -217,7 +240,7 @@ def end_to_end(args, folder: Path) -> None:
            "--height", str(args.size), "--width", str(args.size), "--guidance-scale", "7.0", "--dtype", args.dtype,
            "--attention", args.attention, "--latents", str(work / "noise.npy"), "--output", str(work / "sdx.png"),
            "--overwrite", "--quiet",
-           "--cache", str(work / "cache")]
+           "--cache", args.cache or str(work / "cache")]
     reference = [sys.executable, __file__, "--worker", "diffusers-e2e", "--folder", str(folder), *sys.argv[1:]]
     subprocess.run(sdx, cwd=REPO, check=True)  # fills the compilation cache
     times = {"sdx": [], "diffusers": []}
@@ -244,11 +267,12 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--attention", default="xla", help="sdx attention backend (xla, cudnn, chunked; the FLOP count "
-                                                      "needs xla: XLA counts chunked's loop of blocks once)")
+    p.add_argument("--attention", default="xla", help="sdx attention backend (xla, cudnn, chunked)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "sdx-bench"), help="where models are built")
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
+    p.add_argument("--cache", help="keep sdx's compiled programs here (default: none, so the first call compiles; "
+                                   "--end-to-end: WORK/cache); an --end-to-end run given the same folder reads them")
     p.add_argument("--end-to-end", type=int, metavar="N", help="time N alternated fresh processes of each instead")
     p.add_argument("--worker", choices=("sdx", "diffusers", "diffusers-e2e"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
@@ -261,7 +285,8 @@ def main(argv=None) -> int:
         workers = {"sdx": run_sdx, "diffusers": run_diffusers, "diffusers-e2e": end_to_end_diffusers}
         print(json.dumps(workers[args.worker](args)))
         return 0
-    folder = build_diffusers_folder(args.preset, Path(args.work) / f"diffusers-{args.preset}")
+    name = f"diffusers-{args.preset}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+    folder = build_diffusers_folder(args.preset, Path(args.work) / name, args.dtype)
     if args.end_to_end:
         end_to_end(args, folder)
         return 0
@@ -271,8 +296,8 @@ def main(argv=None) -> int:
         return 1
     print(f"# {machine()}; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
           f"{args.dtype}")
-    flops = results[0]["flops"]  # XLA's count of the job, the same math for both
-    print(f"# {flops / 1e12:.3f} TFLOP per generation (XLA's cost analysis of sdx's programs)")
+    flops = count_flops(args)  # the same math for both
+    print(f"# {flops / 1e12:.3f} TFLOP per generation (XLA's count of the model math, benchmarks/flops.py)")
     print("| framework | device | first call − steady (s) | s/image | images/s | peak memory (GiB) | GFLOP/s achieved | "
           "matmul peak GFLOP/s | of peak |")
     print("|---|---|---|---|---|---|---|---|---|")

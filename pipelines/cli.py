@@ -125,7 +125,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
     p.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
     p.add_argument("--attention", choices=BACKENDS,
-                   help="attention backend (default: chunked on a CPU, where it is faster from 1,024 tokens on; xla elsewhere)")
+                   help="attention backend (default: chunked on a CPU, where it is faster from 1,024 tokens on; cudnn "
+                        "in bfloat16 on an NVIDIA GPU from Ampere on; xla elsewhere)")
     p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
     p.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
     p.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")
@@ -419,7 +420,7 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> lis
     from pipelines.pipeline import Pipeline
     from sdx.attention import default_backend
 
-    attention = args.attention or default_backend()
+    attention = args.attention or default_backend(args.dtype)
     load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler,
                                                     attention=attention, mesh=mesh, name=name, **kw)
     pipe = load(folder, args.model, controlnets=tuple(args.controlnet), cache_dir=cache / "models", log=log)

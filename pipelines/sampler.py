@@ -338,7 +338,9 @@ class _Programs:
     def flops(self) -> float:
         """Floating-point operations of one run of the plan, by XLA's own cost analysis of each program.
         The analysis counts a loop's body once, so a denoise program's count is one model call's; a loop
-        inside a model is counted once too (the `chunked` attention's blocks: use `xla` to count)."""
+        inside a model is counted once too (the `chunked` attention's blocks: use `xla` to count). On a GPU
+        the count leaves out what compiling hands to cuBLAS and cuDNN (benchmarks/flops.py counts the model
+        math instead)."""
         count = lambda p: float(p.cost_analysis().get("flops", 0.0))
         per_call = {n: count(d) for n, d in self.denoise.items()}
         return count(self.prepare) + sum(per_call[n] * n for n in self.sizes) + (count(self.decode) if self.decode else 0.0)

@@ -4,13 +4,16 @@ Query, key and value stay split by head, `(batch, tokens, heads, head_dim)`, the
 `jax.nn.dot_product_attention` takes, so no backend needs a transpose. The backend is a config
 field of the model (`attention=`), never a global:
 
-- `xla`: the portable reference (every platform; `python -m sdx.sample`'s default off the CPU). Logits
+- `xla`: the portable reference (every platform; `python -m sdx.sample`'s default on accelerators other
+  than NVIDIA GPUs, and for float32 on those). Logits
   and softmax in float32 whatever the inputs' dtype, which is what diffusers' `upcast_attention`/
   `upcast_softmax` ask for.
 - `cudnn`: cuDNN flash attention on NVIDIA GPUs. cuDNN takes only float16/bfloat16 inputs with a
   head_dim that is a multiple of 8 and at most 256 (128 before Hopper), so the choice is made per call
-  at trace time (`cudnn_rejects`): a call cuDNN cannot take (the VAE's one 512-wide float32 head) runs
-  the `xla` path instead, logged once per reason.
+  at trace time (`cudnn_rejects`): a call cuDNN cannot take (the VAE's one 512-wide head) runs the `xla`
+  path instead, logged once per reason. `python -m sdx.sample`'s default for float16 and bfloat16 on
+  NVIDIA GPUs that have it (compute capability 8.0 or later): SDXL at 1024² in bfloat16 on an H100
+  samples 1.9× faster than with `xla` (benchmarks/README.md).
 - `chunked`: one head and `chunk_size` queries at a time under `lax.map` (the batch stays whole in
   every block, so a batch split over devices stays split), so only a (batch, chunk, tokens_k) block of
   logits exists at once, in the forward or the backward pass; attentions with fewer than
@@ -91,14 +94,21 @@ def _chunked(q, k, v, scale: float, causal: bool, chunk_size: int) -> jax.Array:
 
 
 @functools.cache
+def _cuda_capability() -> tuple[int, ...] | None:
+    """The first GPU's CUDA compute capability, (9, 0) on an H100; None without an NVIDIA GPU."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    capability = getattr(gpus[0], "compute_capability", None) if gpus else None
+    try:
+        return tuple(int(x) for x in capability.split("."))
+    except (AttributeError, ValueError):  # none, or another vendor's naming
+        return None
+
+
 def _cudnn_max_head_dim() -> int:
     """The largest head_dim cuDNN flash attention takes here: 256 on Hopper or later (compute capability
     9.0), 128 before, as jax's `check_is_flash_attention` decides. Without a CUDA device, 256."""
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    capability = getattr(gpus[0], "compute_capability", None) if gpus else None
-    if capability is None:
-        return 256
-    return 256 if tuple(int(x) for x in capability.split(".")) >= (9, 0) else 128
+    capability = _cuda_capability()
+    return 256 if capability is None or capability >= (9, 0) else 128
 
 
 def cudnn_rejects(dtype, head_dim: int, max_head_dim: int | None = None) -> str | None:
@@ -119,13 +129,19 @@ def cudnn_rejects(dtype, head_dim: int, max_head_dim: int | None = None) -> str 
 @functools.cache
 def _log_fallback(reason: str) -> None:
     """Once per distinct reason: a run traces the same shapes many times."""
-    _log.warning("attention: cuDNN flash attention cannot take %s; these calls use the xla backend", reason)
+    _log.info("attention: cuDNN flash attention cannot take %s; these calls use the xla backend", reason)
 
 
-def default_backend() -> Backend:
-    """The sampler's backend when none is asked for: `chunked` on a CPU (faster and smaller there from
-    1,024 tokens on; below `BLOCKED_LOGITS` it is `xla`), `xla` elsewhere."""
-    return "chunked" if jax.default_backend() == "cpu" else "xla"
+def default_backend(dtype="float32") -> Backend:
+    """The sampler's backend when none is asked for, computing in `dtype`: `chunked` on a CPU (faster
+    and smaller there from 1,024 tokens on; below `BLOCKED_LOGITS` it is `xla`); `cudnn` in float16 or
+    bfloat16 on an NVIDIA GPU with cuDNN flash attention (compute capability 8.0 or later); `xla`
+    elsewhere."""
+    if jax.default_backend() == "cpu":
+        return "chunked"
+    capability = _cuda_capability()
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+    return "cudnn" if half and capability is not None and capability >= (8, 0) else "xla"
 
 
 def dot_product_attention(

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 12's accelerator measurements in one call, most important first, each stage logged to OUT/NAME.log
+# and stopped at its own time limit so that a slow or failing stage leaves the next ones their time:
+#
+#   bash benchmarks/gpu_round.sh OUT [WORK]
+#
+# 1. tests/test_attention.py, where the cuDNN backend is checked equal to `xla` (skipped off NVIDIA GPUs);
+# 2. steady state at batch 1 against diffusers, with a cold compilation cache (the first call's extra
+#    seconds are the compile) that is kept in WORK/cache;
+# 3. end to end, a fresh `python -m sdx.sample` reading that cache against a diffusers script;
+# 4. steady state at batch 4 against diffusers;
+# 5. steady state at batch 1 with the other attention backend, sdx alone.
+#
+# The job is SDXL base's architecture (random weights), 1024², 25 Euler steps, classifier-free guidance,
+# bfloat16. PRESET, SIZE, STEPS, DTYPE, ATTENTION (the backend of stages 2-4), OTHER (stage 5's) and
+# BUDGET (seconds for all stages) override it, PYTHON the interpreter; for example, a rehearsal of the
+# whole round on a CPU:
+#   PRESET=tiny_xl SIZE=64 STEPS=2 ATTENTION=xla OTHER=chunked bash benchmarks/gpu_round.sh /tmp/round
+# It needs jax with CUDA, torch, diffusers and transformers. The first round (2026-11-26, an H100 with
+# jax 0.11.2) brought diffusers 0.42.1, transformers 5.23.0 and huggingface_hub 2.4.0 (with httpx2) as
+# wheels and kept the machine's flax 0.12.10: flax 0.12.8 does not import with jax 0.11.2.
+set -u
+out=${1:?usage: gpu_round.sh OUT [WORK]}
+work=${2:-${TMPDIR:-/tmp}/sdx-gpu}
+mkdir -p "$out" "$work"
+job=(--preset "${PRESET:-sdxl_base}" --size "${SIZE:-1024}" --steps "${STEPS:-25}" --dtype "${DTYPE:-bfloat16}"
+     --work "$work")
+attention=${ATTENTION:-cudnn}
+python=${PYTHON:-python3}
+deadline=$((SECONDS + ${BUDGET:-560}))
+
+stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (less if the budget is short)
+  local name=$1 limit=$2 left=$((deadline - SECONDS)) t0=$SECONDS rc
+  shift 2
+  ((left < limit)) && limit=$left
+  if ((limit < 20)); then echo "== $name: skipped, ${left}s of the budget left"; return; fi
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  rc=$?
+  echo "== $name: exit $rc after $((SECONDS - t0))s (limit ${limit}s)"
+  tail -n "${TAIL:-14}" "$out/$name.log"
+}
+
+stage attention 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py
+stage batch1 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 --cache "$work/cache"
+stage end_to_end 160 "$python" benchmarks/sample.py "${job[@]}" --attention "$attention" --cache "$work/cache" --end-to-end 1
+stage batch4 240 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2
+stage batch1_other 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" --repeats 2 --no-reference
