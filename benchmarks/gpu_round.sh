@@ -8,11 +8,13 @@
 # 2. steady state at batch 1 against diffusers, with a cold compilation cache (the first call's extra
 #    seconds are the compile) that is kept in WORK/cache;
 # 3. end to end, a fresh `python -m sdx.sample` reading that cache against a diffusers script;
-# 4. steady state at batch 4 against diffusers;
-# 5. steady state at batch 1 with the other attention backend, sdx alone.
+# 4. steady state at batch 1 again, sdx alone, reading that cache: its peak memory leaves out what the
+#    compile's autotuning took (the device's peak counts from the start of the process);
+# 5. steady state at batch 4 against diffusers;
+# 6. steady state at batch 1 with the other attention backend, sdx alone.
 #
 # The job is SDXL base's architecture (random weights), 1024², 25 Euler steps, classifier-free guidance,
-# bfloat16. PRESET, SIZE, STEPS, DTYPE, ATTENTION (the backend of stages 2-4), OTHER (stage 5's) and
+# bfloat16. PRESET, SIZE, STEPS, DTYPE, ATTENTION (the backend of stages 2-5), OTHER (stage 6's) and
 # BUDGET (seconds for all stages) override it, PYTHON the interpreter; for example, a rehearsal of the
 # whole round on a CPU:
 #   PRESET=tiny_xl SIZE=64 STEPS=2 ATTENTION=xla OTHER=chunked bash benchmarks/gpu_round.sh /tmp/round
@@ -43,5 +45,6 @@ stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (le
 stage attention 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py
 stage batch1 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 --cache "$work/cache"
 stage end_to_end 160 "$python" benchmarks/sample.py "${job[@]}" --attention "$attention" --cache "$work/cache" --end-to-end 1
+stage batch1_warm 90 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 2 --cache "$work/cache" --no-reference
 stage batch4 240 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2
 stage batch1_other 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" --repeats 2 --no-reference
