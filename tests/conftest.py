@@ -1,6 +1,12 @@
-"""Fixtures shared by test modules."""
+"""Fixtures shared by test modules, and the order pytest-xdist hands test files to its workers."""
 
 from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -9,16 +15,93 @@ from tests import processes
 processes.configure_this_process()
 
 
+# -- the order of the test files under `pytest -n N --dist loadfile`
+
+# The files that take longest, longest first (seconds of one worker's time in a full `make test` on a
+# 2-core machine; keep the order when adding or speeding up tests). xdist hands out whole files, by
+# default those with the most tests first: these files, with few tests each, came last, and the worker
+# that drew them ran for minutes after the other had finished (1358 s against 1043 s). Given first, the
+# two workers end within seconds of each other; every other file follows in xdist's usual order.
+SLOW_FILES = (
+    "tests/test_train_e2e.py",  # ~300
+    "tests/test_sampler.py",  # ~200
+    "tests/test_train_cli.py",  # ~180
+    "tests/test_controlnet_pipelines.py",  # ~170
+    "tests/test_inpaint.py",  # ~140
+    "tests/test_pipelines.py",  # ~130
+    "tests/test_default_models.py",  # ~125
+    "tests/test_randomness.py",  # ~120
+    "tests/test_unet.py",  # ~115
+    "tests/test_train_cache.py",  # ~85
+    "tests/test_train_vae.py",  # ~85
+    "tests/test_prompts_file.py",  # ~80
+    "tests/test_train_step.py",  # ~75
+    "tests/test_fuzz_readers.py",  # ~70
+    "tests/test_train_mesh.py",  # ~60
+    "tests/test_nonfinite.py",  # ~60
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with SLOW_FILES first (None, xdist's own scheduler, for every other --dist)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    if config.getvalue("dist") != "loadfile" or not hasattr(LoadFileScheduling, "_assign_work_unit"):
+        return None  # another --dist, or an xdist whose internals moved: its own order
+
+    class SlowFilesFirst(LoadFileScheduling):
+        ordered = False
+
+        def _assign_work_unit(self, node):
+            # the first call comes once the queue of files is complete, before any file is handed out
+            if not self.ordered:
+                self.ordered = True
+                rank = {name: i for i, name in enumerate(SLOW_FILES)}
+                units = sorted(self.workqueue.items(), key=lambda unit: rank.get(unit[0], len(rank)))  # stable
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
+    return SlowFilesFirst(config, log)
+
+
+# -- the demo models
+
+
 @pytest.fixture(scope="session")
-def demo_models(tmp_path_factory):
-    """demo(name) -> the sdx folder of demo model `name` (random weights), built once per test session, where
-    `python -m sdx.sample --model NAME` finds it when $SDX_CACHE is `demo.cache`."""
+def demo_build(tmp_path_factory):
+    """demo_build(name, where) -> what `pipelines.demo.demo_folder(name, where)` gives (the sdx folder of
+    demo model `name`, random weights from seed 0, in `where`), copied from one build per test run: the
+    first worker to ask builds it (about 20 s each) in a folder every pytest-xdist worker of the run sees,
+    under a lock; the others wait for it and copy it."""
     from pipelines.demo import demo_folder
 
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "demo-builds"
+    shared.mkdir(exist_ok=True)
+
+    def build(name: str, where: Path) -> Path:
+        with open(shared / "lock", "w") as lock, contextlib.ExitStack() as unlock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            unlock.callback(fcntl.flock, lock, fcntl.LOCK_UN)
+            built = demo_folder(name, shared)
+        out = Path(where) / built.name
+        if not out.exists():
+            shutil.copytree(built, out)
+        return out
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def demo_models(tmp_path_factory, demo_build):
+    """demo(name) -> the sdx folder of demo model `name` (random weights), made once per test session, where
+    `python -m sdx.sample --model NAME` finds it when $SDX_CACHE is `demo.cache`."""
     cache = tmp_path_factory.mktemp("sdx-cache")
 
     def demo(name: str):
-        return demo_folder(name, cache / "models")
+        return demo_build(name, cache / "models")
 
     demo.cache = cache
     return demo

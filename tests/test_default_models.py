@@ -93,15 +93,13 @@ def test_grid_is_row_major_and_padded():
     assert [g[2, 3 * j, 0] for j in range(3)] == [3, 4, 0]
 
 
-def test_no_model_means_default_and_grid_is_written(tmp_path, monkeypatch):
+def test_no_model_means_default_and_grid_is_written(tmp_path, monkeypatch, demo_build):
     """Without --model the default model is used (here a stand-in packed from tiny_xl); --grid tiles the images."""
     picked = []
 
     def fake_folder(name, cache, shipped=default_models.SHIPPED):
         picked.append(name)
-        from pipelines.demo import demo_folder
-
-        return demo_folder("tiny_xl", cache)
+        return demo_build("tiny_xl", cache)
 
     monkeypatch.setattr(default_models, "folder", fake_folder)
     out = tmp_path / "imgs"

@@ -13,7 +13,6 @@ import torch
 from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import rescale_noise_cfg
 
 from pipelines import guidance, text
-from pipelines.demo import demo_folder
 from pipelines.guidance import ClassifierFree, Conditioning, InstructPix2Pix, Scales, Unguided
 from pipelines.pipeline import Pipeline
 from sdx import mesh as meshlib
@@ -121,8 +120,8 @@ def test_rescale_of_a_flat_prediction_stays_finite():
 
 
 @pytest.mark.parametrize("name, force_zeros", [("tiny", False), ("tiny_xl", True), ("tiny_xl", False)])
-def test_null_conditioning_is_the_negative_branch_without_a_prompt(tmp_path_factory, name, force_zeros):
-    pipe = Pipeline.load(demo_folder(name, tmp_path_factory.getbasetemp() / "demo"),
+def test_null_conditioning_is_the_negative_branch_without_a_prompt(tmp_path_factory, demo_build, name, force_zeros):
+    pipe = Pipeline.load(demo_build(name, tmp_path_factory.getbasetemp() / "demo"),
                          mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     family = dataclasses.replace(pipe.family, force_zeros=force_zeros)
     encoders = {n: pipe.sampler.models[n] for n in family.encoders}

@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from sdx import mesh as meshlib
@@ -76,8 +75,8 @@ def image_one(pipes: dict[str, Pipeline], batch_size: int) -> dict[str, np.ndarr
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    return demo_folder("tiny", tmp_path_factory.mktemp("demo"))
+def folder(tmp_path_factory, demo_build) -> Path:
+    return demo_build("tiny", tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")

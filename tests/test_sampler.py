@@ -25,7 +25,6 @@ from flax import nnx
 from PIL import Image
 
 from pipelines import cpu_kernels, executables
-from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request, batches
 from pipelines.sampler import _decode
@@ -39,8 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tiny_xl(tmp_path_factory) -> Path:
-    return demo_folder("tiny_xl", tmp_path_factory.mktemp("demo"))
+def tiny_xl(tmp_path_factory, demo_build) -> Path:
+    return demo_build("tiny_xl", tmp_path_factory.mktemp("demo"))
 
 
 def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):

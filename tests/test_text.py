@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from pipelines import text
-from pipelines.demo import demo_folder
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from sdx import mesh as meshlib
@@ -18,8 +17,8 @@ LONG = "a very detailed painting of " + ", ".join(f"tower number {i}" for i in r
 
 
 @pytest.fixture(scope="module")
-def pipe(tmp_path_factory) -> Pipeline:
-    folder = demo_folder("tiny_xl", tmp_path_factory.mktemp("demo"))
+def pipe(tmp_path_factory, demo_build) -> Pipeline:
+    folder = demo_build("tiny_xl", tmp_path_factory.mktemp("demo"))
     return Pipeline.load(folder, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
 
 

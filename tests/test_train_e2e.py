@@ -11,13 +11,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from PIL import Image
 from safetensors.numpy import load_file
 
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
+from pipelines.sampler import enable_compilation_cache
 from tests.processes import child_env
 from train import pix2pix, shapes
 
@@ -40,7 +43,22 @@ def _argv(model, data, out, *extra):
             *FLAGS, *extra]
 
 
-def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup):
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """JAX's persistent compilation cache on in this process for the test, as `python -m train.pix2pix` has
+    it (train.loop.main): the resumed run loads the step the first compiled. (Without it the time of this
+    test depended on whether an earlier test in the same worker had happened to turn a cache on.)"""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    was = {name: getattr(jax.config, name) for name in names}
+    enable_compilation_cache(tmp_path / "jax")
+    jax_cache.reset_cache()  # JAX decides once per process whether, and where, its cache is used
+    yield
+    for name, value in was.items():
+        jax.config.update(name, value)
+    jax_cache.reset_cache()
+
+
+def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_cache):
     root, model = setup
     a, b = root / "a", root / "b"
     Image.fromarray(np.full((40, 48, 3), 200, np.uint8)).save(root / "val.png")
@@ -63,9 +81,9 @@ def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup):
     assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all()
 
 
-def _mesh_run(model, data, out: Path, *, resume: bool, processes: int = 1):
+def _mesh_run(model, data, out: Path, *extra: str, resume: bool, processes: int = 1):
     """tests/mesh_train_child.py in `processes` processes of 4 / `processes` fake CPU devices each (the
-    test process has one device), joined as one JAX job when there are several.
+    test process has one device), joined as one JAX job when there are several; `extra`: more flags.
 
     Several processes reduce over gloo, XLA's CPU collectives (a test harness: real hosts use NCCL or the
     TPU interconnect), which on a loaded 2-core machine has stalled (once, in a full-suite run) with every process
@@ -75,7 +93,7 @@ def _mesh_run(model, data, out: Path, *, resume: bool, processes: int = 1):
     env = child_env(devices=4 // processes, JAX_COMPILATION_CACHE_DIR=str(out.parent / f"jax-cache-{processes}"))
     argv = [sys.executable, str(Path(__file__).with_name("mesh_train_child.py")), str(out), *(["--resume"] if resume else []),
             "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data), "--fsdp", "2",
-            *FLAGS, "--train_batch_size", "1"]  # per device: 4 samples a step over data 2 x fsdp 2
+            *FLAGS, "--train_batch_size", "1", *extra]  # per device: 4 samples a step over data 2 x fsdp 2
     for attempt in range(2 if processes > 1 else 1):
         if processes > 1:
             with socket.socket() as sock:
@@ -128,7 +146,8 @@ def test_a_mesh_resumes_exactly_and_two_hosts_train_as_one(setup):
     _mesh_run(model, root / "ds", one, resume=True)
     assert (one / "a" / "unet.safetensors").read_bytes() == (one / "b" / "unet.safetensors").read_bytes()
 
-    _mesh_run(model, root / "ds", two, resume=False, processes=2)
+    # no resume here: only the final checkpoint (written across both hosts) is needed
+    _mesh_run(model, root / "ds", two, "--checkpointing_steps", "4", resume=False, processes=2)
     metrics = [[json.loads(line) for line in (d / "a" / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
     assert [r["step"] for r in metrics[1]] == [1, 2, 3, 4]
     for key in ("loss", "grad_norm"):
