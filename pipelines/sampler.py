@@ -6,12 +6,15 @@
 - denoise (UNet, and the ControlNets if any): `chunk` model calls (ControlNets, UNet, guidance, scheduler
   step, as a `lax.fori_loop`) from the call the scheduler state has reached; the latents and scheduler
   state are donated from one call to the next.
+- decode (VAE decoder): latents -> images.
+
+The VAE (prepare's encoder, decode's decoder) takes one image per device at a time (`_in_turns`), so its
+working memory does not grow with the batch.
 
 Inpainting, as diffusers' StableDiffusion(XL)InpaintPipeline: a 9-channel inpainting UNet reads the
 latents, the mask (the pixel mask at latent size) and the masked image's latents concatenated; an
 ordinary 4-channel model instead has the known region put back after every step: the input image's
 latents noised to the level of the next call (clean after the last), outside the mask.
-- decode (VAE decoder): latents -> images.
 
 Non-finite values are caught, never written as black images: each model call records, per image, the
 first call after which its latents hold a NaN or an inf (`Carry.first_bad`), and decode reports which
@@ -214,8 +217,22 @@ def _per_image(keys: jax.Array, stream: Stream, draw: Callable[[jax.Array], jax.
     return jax.vmap(lambda k: draw(jax.random.fold_in(k, int(stream))))(keys)
 
 
-def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carry, Fixed]:
-    """Conditioning and initial latents. `dtype`: the UNet's compute dtype, for what it reads."""
+def _in_turns(fn: Callable, x: jax.Array, devices: int):
+    """fn(x) for a VAE pass over a (B, ...) batch split over `devices`, run as a loop of B / devices turns of
+    one image per device: a VAE's working memory grows with its batch (SDXL's decoder at 1024², bf16: 3 GiB
+    an image by XLA's analysis on a CPU, 12 GiB for four at once), the loop's stays one image's. Turn i
+    takes image i of each device's share. fn: (devices, ...) -> a pytree of (devices, ...) arrays."""
+    b = x.shape[0]
+    if b <= devices:
+        return fn(x)
+    turns = x.reshape(devices, b // devices, *x.shape[1:]).swapaxes(0, 1)  # (B, ...) -> (B/D, D, ...)
+    out = jax.lax.map(fn, turns)
+    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(b, *o.shape[2:]), out)  # (B/D, D, ...) -> (B, ...)
+
+
+def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int) -> tuple[Carry, Fixed]:
+    """Conditioning and initial latents. `dtype`: the UNet's compute dtype, for what it reads; `devices`:
+    the mesh's, over which the VAE encodes in turns (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
     fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
     encoders = {name: models[name] for name in fam.encoders}
@@ -224,11 +241,11 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
     mask = masks.latent_mask(inputs.mask, vae.config.downsample_factor) if plan.inpaint else None
     extra = None  # channels concatenated to the UNet's input
     if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
-        extra = vae.encode(inputs.image).mode()
+        extra = _in_turns(vae.encode, inputs.image, devices).mode()
         if fam.scaled_image_latents:
             extra = extra * vae.config.scaling_factor
     elif fam.inpaint:  # the mask and the masked image's latents (masked pixels 0, mid-grey)
-        masked = _sample_latents(vae, inputs.image * (inputs.mask < 0.5), inputs.keys, Stream.MASKED_POSTERIOR)
+        masked = _sample_latents(vae, inputs.image * (inputs.mask < 0.5), inputs.keys, Stream.MASKED_POSTERIOR, devices)
         extra = jnp.concatenate([mask, masked], axis=-1)
     extra = None if extra is None else extra.astype(dtype)
     cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra)
@@ -241,7 +258,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
     blend = plan.inpaint and not fam.inpaint
     image_latents = None
     if plan.start == START_IMAGE or blend:
-        image_latents = _sample_latents(vae, inputs.image, inputs.keys, Stream.POSTERIOR)
+        image_latents = _sample_latents(vae, inputs.image, inputs.keys, Stream.POSTERIOR, devices)
     if plan.start == START_NOISE:
         x = inputs.noise * state.init_noise_sigma
     elif plan.start == START_IMAGE:
@@ -255,10 +272,11 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype) -> tuple[Carr
     return Carry(x, state, first_bad), fixed
 
 
-def _sample_latents(vae, images: jax.Array, keys: jax.Array, stream: Stream) -> jax.Array:
+def _sample_latents(vae, images: jax.Array, keys: jax.Array, stream: Stream, devices: int) -> jax.Array:
     """(B, H, W, 3) images -> (B, h, w, C) scaled latents of a VAE posterior sample, each image's from its
-    own `stream` key (diffusers' `retrieve_latents(..., sample_mode="sample")` times the scaling factor)."""
-    posterior = vae.encode(images)
+    own `stream` key (diffusers' `retrieve_latents(..., sample_mode="sample")` times the scaling factor);
+    encoded in turns over `devices`."""
+    posterior = _in_turns(vae.encode, images, devices)
     eps = _per_image(keys, stream, lambda k: jax.random.normal(k, posterior.mean.shape[1:]))
     return vae.config.to_latents(posterior.mean + posterior.std * eps)
 
@@ -304,10 +322,10 @@ def _finite(x: jax.Array) -> jax.Array:
     return jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))
 
 
-def _decode(graphdef, params, latents: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Images (B, H, W, 3) float32 and which of them are finite (B,)."""
+def _decode(graphdef, params, latents: jax.Array, devices: int) -> tuple[jax.Array, jax.Array]:
+    """Images (B, H, W, 3) float32 and which of them are finite (B,), decoded in turns over `devices`."""
     vae = nnx.merge(graphdef, params)
-    images = vae.decode(vae.config.from_latents(latents)).astype(jnp.float32)
+    images = _in_turns(vae.decode, vae.config.from_latents(latents), devices).astype(jnp.float32)
     return images, _finite(images)
 
 
@@ -412,13 +430,14 @@ class Sampler:
         t0 = time.perf_counter()
         params = self._prepare_params(plan.family)
         graphdefs = {name: self.graphdefs[name] for name in params}
-        prepare_fn = functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype)
+        devices = self.mesh.devices.size
+        prepare_fn = functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype, devices=devices)
         n = inputs.state.num_calls
         sizes = (self.chunk,) * (n // self.chunk) + ((n % self.chunk,) if n % self.chunk else ())
         unet_params = self._denoise_params(plan)
         unet_graphdefs = {name: self.graphdefs[name] for name in unet_params}
         denoise_fns = {calls: functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls) for calls in set(sizes)}
-        decode_fn = functools.partial(_decode, self.graphdefs["vae"]) if plan.decode else None
+        decode_fn = functools.partial(_decode, self.graphdefs["vae"], devices=devices) if plan.decode else None
 
         # denoise and decode also take prepare's outputs: their keys name prepare's, so a warm start reads
         # all three files at once. A prepare without a key (a researcher's own text encoder or VAE class)
@@ -480,7 +499,7 @@ class Sampler:
         """`images` with the `redo` ones decoded again by the VAE in float32, and which are now finite."""
         if self._decode32 is None:
             graphdef, params = nnx.split(_float32_vae(self.models["vae"]))
-            self._decode32 = (jax.jit(functools.partial(_decode, graphdef)), params)
+            self._decode32 = (jax.jit(functools.partial(_decode, graphdef, devices=self.mesh.devices.size)), params)
         decode, params = self._decode32
         again, finite = decode(params, latents)
         mask = jnp.asarray(redo)[:, None, None, None]

@@ -190,8 +190,27 @@ def test_on_a_cpu_ynnpack_computes_the_matrix_products_alone(tiny_xl):
         fusions = _ynn_fusions(program.as_text())
         assert fusions and set(fusions) == {("parameter", "parameter", "dot")}
     latents = jax.ShapeDtypeStruct(programs.prepare.out_info[0].latents.shape, jnp.float32)
-    default = jax.jit(functools.partial(_decode, pipe.sampler.graphdefs["vae"])).lower(pipe.sampler.params["vae"], latents)
+    default = jax.jit(functools.partial(_decode, pipe.sampler.graphdefs["vae"], devices=1)).lower(pipe.sampler.params["vae"], latents)
     assert {"convolution", "reduce", "exponential"} <= {op for f in _ynn_fusions(default.compile().as_text()) for op in f}
+
+
+def test_the_vae_decodes_one_image_per_device_at_a_time(tiny_xl):
+    """Four images decode in the working memory of one (XLA's analysis), to the same images as one by one and
+    as the whole batch at once (which `devices=4` on one device gives: four images, one turn)."""
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    graphdef, params = pipe.sampler.graphdefs["vae"], pipe.sampler.params["vae"]
+    latents = jax.random.normal(jax.random.key(0), (4, 32, 32, 4))
+
+    def decode(z, devices):
+        program = jax.jit(functools.partial(_decode, graphdef, devices=devices)).lower(params, z).compile()
+        return program.memory_analysis().temp_size_in_bytes, program(params, z)[0]
+
+    one, first = decode(latents[:1], 1)
+    turns, images = decode(latents, 1)
+    whole, at_once = decode(latents, 4)
+    assert turns < 1.1 * one and whole > 3.5 * one, (one, turns, whole)
+    np.testing.assert_array_equal(images[:1], first)
+    np.testing.assert_allclose(images, at_once, atol=1e-5)
 
 
 def test_the_model_carries_its_compute_dtype(tiny_xl):
@@ -227,7 +246,7 @@ def test_sharded_equals_single_device(tiny_xl, tmp_path):
         assert jax.device_count() == 4, jax.devices()
         req = Request(prompts=["a red fox", "a boat"], num_images_per_prompt=2, height=64, width=64, steps=3, seed=3)
         single = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))(req)
-        data = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh())(req)
+        data = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(devices=jax.devices()[:2]))(req)  # 2 turns
         fsdp = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(fsdp=2))(req)
         sharded_params = [
             leaf for leaf in jax.tree.leaves(Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(fsdp=4)).sampler.params)
