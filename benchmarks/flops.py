@@ -33,36 +33,42 @@ from sdx.vae import AutoencoderKL, VAEConfig  # noqa: E402
 PLAIN = Compute(attention="xla", conv="xla")
 
 
-def _counted(make, call, *shapes) -> float:
-    """XLA's flop count of `call(model, *inputs)` for `make(rngs)`'s model, inputs of `shapes`."""
+def lower(make, call, *inputs: jax.ShapeDtypeStruct) -> jax.stages.Lowered:
+    """`call(model, *inputs)` for `make(rngs)`'s model, lowered with abstract parameters (nothing allocated)."""
     graphdef, params = nnx.split(weights.abstract(make))
-    inputs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-    lowered = jax.jit(lambda p, *a: call(nnx.merge(graphdef, p), *a)).lower(params, *inputs)
-    return float(lowered.cost_analysis()["flops"])
+    return jax.jit(lambda p, *a: call(nnx.merge(graphdef, p), *a)).lower(params, *inputs)
 
 
-def unet_call_flops(preset_name: str, size: int, batch: int) -> float:
-    """One UNet call at `size`² pixels on `batch` latents (the batch the UNet sees, guidance included)."""
+def unet_call(preset_name: str, size: int, batch: int, compute: Compute = PLAIN) -> jax.stages.Lowered:
+    """One UNet call at `size`² pixels on `batch` latents (the batch the UNet sees, guidance included), its
+    inputs in `compute.dtype` as the sampler feeds them (timesteps and SDXL's size numbers float32)."""
     configs = presets.get(preset_name).configs
-    unet, factor = UNetConfig.from_diffusers_config(configs["unet"]), _factor(configs)
-    d = configs["unet"]
-    shapes = [(batch, size // factor, size // factor, unet.in_channels), (batch,), (batch, 77, max(unet.cross_attention_dim))]
+    unet, factor, d = UNetConfig.from_diffusers_config(configs["unet"]), _factor(configs), configs["unet"]
+    inputs = lambda *shapes, dtype=compute.dtype: [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+    args = inputs((batch, size // factor, size // factor, unet.in_channels)) + inputs((batch,), dtype=jnp.float32)
+    args += inputs((batch, 77, max(unet.cross_attention_dim)))
     if d.get("addition_embed_type") == "text_time":  # SDXL: pooled text (B, P) and six size numbers per image
         time_ids = 6
-        shapes += [(batch, d["projection_class_embeddings_input_dim"] - time_ids * d["addition_time_embed_dim"]),
-                   (batch, time_ids)]
+        args += inputs((batch, d["projection_class_embeddings_input_dim"] - time_ids * d["addition_time_embed_dim"]))
+        args += inputs((batch, time_ids), dtype=jnp.float32)
         call = lambda m, x, t, c, te, ti: m(x, t, c, {"text_embeds": te, "time_ids": ti})
     else:
         call = lambda m, x, t, c: m(x, t, c)
-    return _counted(lambda rngs: UNet2DConditionModel(unet, PLAIN, rngs=rngs), call, *shapes)
+    return lower(lambda rngs: UNet2DConditionModel(unet, compute, rngs=rngs), call, *args)
+
+
+def unet_call_flops(preset_name: str, size: int, batch: int) -> float:
+    """XLA's count of `unet_call` with plain attention and convolutions."""
+    return float(unet_call(preset_name, size, batch).cost_analysis()["flops"])
 
 
 def decode_flops(preset_name: str, size: int, batch: int) -> float:
     """The VAE decoder on `batch` latents of a `size`² image."""
     configs = presets.get(preset_name).configs
     vae, factor = VAEConfig.from_diffusers_config(configs["vae"]), _factor(configs)
-    return _counted(lambda rngs: AutoencoderKL(vae, PLAIN, rngs=rngs), lambda m, z: m.decode(z),
-                    (batch, size // factor, size // factor, vae.latent_channels))
+    latents = jax.ShapeDtypeStruct((batch, size // factor, size // factor, vae.latent_channels), jnp.float32)
+    lowered = lower(lambda rngs: AutoencoderKL(vae, PLAIN, rngs=rngs), lambda m, z: m.decode(z), latents)
+    return float(lowered.cost_analysis()["flops"])
 
 
 def job_flops(preset_name: str, size: int, steps: int, batch: int, guidance: bool = True) -> float:

@@ -107,7 +107,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="images per compiled call (default: as many as fit in free memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's scheduler_config.json")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the text encoders' and the UNet's")
+    p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the VAE's (bfloat16: diffusers' choice in a bfloat16 pipeline; half the VAE's weights)")
     p.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
     p.add_argument("--grid", metavar="FILE.png",
                    help="also write all images as one grid PNG (a row per prompt with --num-images, else about square, "
@@ -421,7 +423,7 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> lis
     from sdx.attention import default_backend
 
     attention = args.attention or default_backend(args.dtype)
-    load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, scheduler=args.scheduler,
+    load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, scheduler=args.scheduler,
                                                     attention=attention, mesh=mesh, name=name, **kw)
     pipe = load(folder, args.model, controlnets=tuple(args.controlnet), cache_dir=cache / "models", log=log)
     if not args.refiner:
@@ -523,6 +525,7 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
             "seed": a.seed, "image_index": i, "steps": a.steps, "scheduler": scheduler_name,
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
             "size": f"{pixels.shape[2]}x{pixels.shape[1]}", "model": a.model, "dtype": a.dtype,
+            "vae_dtype": a.vae_dtype,
         }
         for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
                     "lora", "vae", "controlnet", "control_image", "guess_mode", "padding_mask_crop"):

@@ -373,6 +373,24 @@ def test_bfloat16_runs_the_unet_in_bf16_keeps_the_vae_float32_and_stays_close(ti
     assert diff.mean() < 4.0  # measured 1.25 on this random model; a broken cast is far off
 
 
+def test_vae_dtype_bfloat16_decodes_in_bfloat16_close_to_float32(tiny_xl, tmp_path):
+    """`--vae-dtype bfloat16` changes the image (the VAE computes in bfloat16) by a little, and is recorded."""
+    def run(*flags):
+        out = tmp_path / "-".join(flags)
+        assert main(["--model", str(tiny_xl), "--prompt", "a red fox", "--steps", "3", "--height", "64", "--width", "64",
+                     "--dtype", "bfloat16", *flags, "--output", str(out / "x.png"), "--cache", str(tmp_path / "cache"),
+                     "--quiet"]) == 0
+        png = Image.open(out / "x.png")
+        return np.asarray(png.convert("RGB")).astype(int), json.loads(png.text["sdx"])
+
+    f32, meta32 = run()
+    bf16, meta16 = run("--vae-dtype", "bfloat16")
+    assert (meta32["vae_dtype"], meta16["vae_dtype"]) == ("float32", "bfloat16")
+    diff = np.abs(bf16 - f32)
+    print(f"bfloat16 VAE against float32, 8-bit: mean {diff.mean():.2f}, max {diff.max()}")
+    assert 0 < diff.max() and diff.mean() < 2.0
+
+
 def test_without_a_batch_size_the_batch_is_what_fits_in_free_memory(tiny_xl, monkeypatch):
     """Four images, with free memory between what batches of 2 and 4 need by XLA's memory analysis: the
     pipeline runs batches of 2, the same programs an explicit --batch-size 2 runs."""

@@ -1,0 +1,97 @@
+"""A sampling job's device memory by XLA's own memory analysis: the programs are compiled for this machine's
+backend with abstract weights, so nothing is allocated or run and SDXL fits on any machine.
+
+    python benchmarks/memory.py PRESET SIZE BATCH [--dtype bfloat16] [--vae-dtype float32] [--attention NAME]
+
+Printed in GiB, per device of one: the parameters of each model (resident for the whole run), the
+temporaries of one UNet call on the guidance batch (2 × BATCH latents), of the VAE decode as the sampler
+runs it (one image at a time, `pipelines.sampler._in_turns`) and of the whole batch decoded at once, and
+the estimated peak: the parameters plus the largest program's temporaries and outputs. What the estimate
+leaves out: the allocator's fragmentation, the inputs a program is handed, and on a GPU the compile's
+autotuning scratch and cuDNN's workspaces.
+
+`--dtype` is the text encoders' and the UNet's, `--vae-dtype` the VAE's (float32, as `python -m
+sdx.sample` runs it by default); `--attention` defaults to what `python -m sdx.sample` picks for this
+backend and dtype (`sdx.attention.default_backend`). On a GPU the numbers are the GPU compiler's own buffer
+assignment. On a CPU, XLA converts bfloat16 weights to float32 copies for its matrix products and counts
+them among the temporaries (SDXL's UNet call at 1024²: 10.1 GiB in bfloat16 against 1.3 in float32), so
+read a CPU's bfloat16 UNet numbers as an upper bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from benchmarks.flops import _factor, unet_call  # noqa: E402
+from pipelines.sampler import _decode  # noqa: E402
+from sdx import attention, presets, weights  # noqa: E402
+from sdx.layers import Compute  # noqa: E402
+from sdx.model_folder import MODEL_KINDS  # noqa: E402
+
+GiB = 2**30
+
+
+def parameter_bytes(preset_name: str, component: str, dtype) -> int:
+    """Bytes of a preset's component's parameters in `dtype`."""
+    kind = MODEL_KINDS[component]
+    config = kind.config_from_diffusers(presets.get(preset_name).configs[component])
+    return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(kind.abstract(config)))) * jnp.dtype(dtype).itemsize
+
+
+def decode_program(preset_name: str, size: int, batch: int, compute: Compute, turns: bool) -> jax.stages.Compiled:
+    """The sampler's decode of `batch` latents, one image at a time (`turns`) or all at once."""
+    configs = presets.get(preset_name).configs
+    kind, factor = MODEL_KINDS["vae"], _factor(configs)
+    config = kind.config_from_diffusers(configs["vae"])
+    graphdef, params = nnx.split(weights.abstract(lambda rngs: kind.build(config, compute, rngs)))
+    latents = jax.ShapeDtypeStruct((batch, size // factor, size // factor, config.latent_channels), jnp.float32)
+    fn = functools.partial(_decode, graphdef, devices=1 if turns else batch)
+    return jax.jit(fn).lower(params, latents).compile()
+
+
+def report(preset_name: str, size: int, batch: int, dtype: str, vae_dtype: str, backend: str) -> dict[str, float]:
+    """{line: GiB} of the job (see the module's docstring)."""
+    configs = presets.get(preset_name).configs
+    compute = lambda dt: Compute(dtype=jnp.dtype(dt), param_dtype=jnp.dtype(dt), attention=backend)
+    models = {c: vae_dtype if c == "vae" else dtype for c in ("text_encoder", "text_encoder_2", "unet", "vae") if c in configs}
+    out = {f"parameters, {c} ({dt})": parameter_bytes(preset_name, c, dt) / GiB for c, dt in models.items()}
+    resident = sum(out.values())
+    programs = {
+        f"UNet call on {2 * batch} latents": unet_call(preset_name, size, 2 * batch, compute(dtype)).compile(),
+        f"decode of {batch}, one image at a time (the sampler's)": decode_program(preset_name, size, batch, compute(vae_dtype), True),
+        f"decode of {batch} at once": decode_program(preset_name, size, batch, compute(vae_dtype), False),
+    }
+    stats = {name: p.memory_analysis() for name, p in programs.items()}
+    out.update({f"temporaries, {name}": m.temp_size_in_bytes / GiB for name, m in stats.items()})
+    working = [m.temp_size_in_bytes + m.output_size_in_bytes for name, m in stats.items() if "at once" not in name]
+    out["estimated peak: parameters + the largest program's temporaries and outputs"] = resident + max(working) / GiB
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Print a sampling job's device memory by XLA's memory analysis.")
+    p.add_argument("preset")
+    p.add_argument("size", type=int, help="image side in pixels")
+    p.add_argument("batch", type=int, help="images per call")
+    p.add_argument("--dtype", default="float32", help="the text encoders' and the UNet's")
+    p.add_argument("--vae-dtype", default="float32")
+    p.add_argument("--attention", help="default: sdx.attention.default_backend(--dtype) on this backend")
+    a = p.parse_args(argv)
+    backend = a.attention or attention.default_backend(jnp.dtype(a.dtype))
+    print(f"# {a.preset} {a.size}² batch {a.batch}, {a.dtype} (VAE {a.vae_dtype}), {backend} attention, "
+          f"on {jax.devices()[0].device_kind}")
+    for line, gib in report(a.preset, a.size, a.batch, a.dtype, a.vae_dtype, backend).items():
+        print(f"{gib:8.2f} GiB  {line}")
+
+
+if __name__ == "__main__":
+    main()

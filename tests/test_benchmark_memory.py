@@ -1,0 +1,25 @@
+"""benchmarks/memory.py: the parameters it counts are the loaded model's, and its decode programs are the
+sampler's, one image at a time taking one image's temporaries where the whole batch takes four."""
+
+import jax
+import pytest
+
+from benchmarks import memory
+from pipelines.demo import random_parts
+from sdx import presets
+
+
+def test_parameters_are_the_built_models_and_the_decode_runs_in_turns():
+    parts = random_parts(presets.get("tiny"), seed=0)
+    for component, dtype in (("unet", "float32"), ("vae", "bfloat16"), ("text_encoder", "float32")):
+        arrays = jax.tree.leaves(parts[component].arrays)
+        itemsize = 2 if dtype == "bfloat16" else 4
+        assert memory.parameter_bytes("tiny", component, dtype) == sum(a.size for a in arrays) * itemsize
+
+    out = memory.report("tiny", 64, 4, "float32", "float32", "xla")
+    temps = {line.split(", ", 1)[1]: gib for line, gib in out.items() if line.startswith("temporaries")}
+    one_by_one, at_once = temps["decode of 4, one image at a time (the sampler's)"], temps["decode of 4 at once"]
+    assert at_once == pytest.approx(4 * one_by_one, rel=0.1)
+    params = sum(gib for line, gib in out.items() if line.startswith("parameters"))
+    peak = out["estimated peak: parameters + the largest program's temporaries and outputs"]
+    assert peak == pytest.approx(params + max(temps["UNet call on 8 latents"], one_by_one), rel=0.05)
