@@ -12,12 +12,14 @@
 #    compile's autotuning took (the device's peak counts from the start of the process);
 # 5. steady state at batch 4 against diffusers;
 # 6. benchmarks/memory.py at batch 4: the GPU compiler's own memory analysis of the programs;
-# 7. steady state at batch 1 with the other attention backend, sdx alone.
+# 7. steady state at batch 4 again, sdx alone, with XLA_FLAGS=$TRY_FLAGS added (default: every matrix
+#    product to cuBLAS rather than XLA's Triton kernels), against stage 5's sdx number;
+# 8. steady state at batch 1 with the other attention backend, sdx alone.
 #
 # The job is SDXL base's architecture (random weights), 1024², 25 Euler steps, classifier-free guidance,
 # bfloat16 (sdx's VAE too, as diffusers'; the first round's sdx VAE was float32). PRESET, SIZE, STEPS,
-# DTYPE, ATTENTION (the backend of stages 2-6), OTHER (stage 7's) and BUDGET (seconds for all stages)
-# override it, PYTHON the interpreter; for example, a rehearsal of the whole round on a CPU:
+# DTYPE, ATTENTION (the backend of stages 2-7), OTHER (stage 8's), TRY_FLAGS (stage 7's) and BUDGET
+# (seconds for all stages) override it, PYTHON the interpreter; for example, a rehearsal of the whole round on a CPU:
 #   PRESET=tiny_xl SIZE=64 STEPS=2 ATTENTION=xla OTHER=chunked bash benchmarks/gpu_round.sh /tmp/round
 # It needs jax with CUDA, torch, diffusers and transformers. The first round (2026-11-26, an H100 with
 # jax 0.11.2) brought diffusers 0.42.1, transformers 5.23.0 and huggingface_hub 2.4.0 (with httpx2) as
@@ -50,4 +52,7 @@ stage batch1_warm 90 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --atte
 stage batch4 240 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2
 stage memory 150 "$python" benchmarks/memory.py "${PRESET:-sdxl_base}" "${SIZE:-1024}" 4 --dtype "${DTYPE:-bfloat16}" \
   --vae-dtype "${DTYPE:-bfloat16}" --attention "$attention"
+try_flags=${TRY_FLAGS:---xla_gpu_enable_triton_gemm=false}
+XLA_FLAGS="${XLA_FLAGS:-} $try_flags" stage batch4_flags 150 "$python" benchmarks/sample.py "${job[@]}" --batch 4 \
+  --attention "$attention" --repeats 2 --no-reference
 stage batch1_other 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" --repeats 2 --no-reference
