@@ -15,7 +15,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import control
+from pipelines import control, executables
 from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
 from pipelines.sampler import Sampler, controlnet_name
@@ -82,7 +82,8 @@ class Pipeline:
         computes["vae"] = Compute(dtype=jnp.dtype(vae_dtype), param_dtype=jnp.dtype(vae_dtype), attention=attention)
         rule = meshlib.param_sharding(mesh)
         loaded = {
-            n: model_folder.load_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n], sharding=rule, spec=spec)
+            n: model_folder.load_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n], sharding=rule,
+                                           spec=spec, abstract=executables.abstract_model)
             for n in ("unet", "vae", *family.encoders)
         }
         sched_cfg = model_folder.scheduler_config(folder, spec=spec)

@@ -292,6 +292,7 @@ def load_component(
     compute: Compute | None = None,
     sharding: weights.Sharding = None,
     spec: Mapping[str, Any] | None = None,
+    abstract: Callable[[ModelKind, Any, Compute], nnx.Module] | None = None,
 ) -> nnx.Module:
     """The live sdx model of component `name` ("unet", "vae", "text_encoder", "text_encoder_2").
 
@@ -300,6 +301,8 @@ def load_component(
       replaced by the parameter dtype above. Default: Compute(dtype=param dtype, param_dtype=param dtype).
     sharding: one `jax.sharding.Sharding` for every parameter, or a function (path, shape) -> Sharding
       (e.g. `sdx.mesh.param_sharding(mesh)`); None puts everything on the default device.
+    abstract: (kind, config, compute) -> the abstract model to fill; default `ModelKind.abstract`
+      (`pipelines.executables.abstract_model` keeps it on disk).
     """
     folder = Path(folder)
     spec = spec or read_spec(folder)
@@ -310,7 +313,7 @@ def load_component(
         compute = Compute(dtype=jnp.dtype(param_dtype), param_dtype=jnp.dtype(param_dtype))
     else:
         compute = dataclasses.replace(compute, param_dtype=jnp.dtype(param_dtype))
-    model = kind.abstract(config, compute)
+    model = (abstract or ModelKind.abstract)(kind, config, compute)
     arrays = read_arrays(folder, name, spec=spec)
     where = str(folder / _entry(spec, folder, name)["file"])
     weights.check_arrays(weights.param_shapes(model), arrays, where=where)

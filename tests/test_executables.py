@@ -1,7 +1,7 @@
 """pipelines.executables: a kept program is loaded without tracing and computes the same; its key changes
 with everything that changes the program (shapes, dtypes, shardings, closed-over values, jit options,
 jax.config, the sdx source) and with nothing else; values with no stable text keep nothing; a damaged file
-is compiled again. The whole cache across processes: tests/test_sampler.py."""
+is compiled again. Abstract models are kept the same way. The whole cache across processes: tests/test_sampler.py."""
 
 from __future__ import annotations
 
@@ -14,11 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pipelines import executables
 from sdx import mesh as meshlib
-from sdx.layers import timestep_embedding
+from sdx import presets
+from sdx.layers import Compute, timestep_embedding
+from sdx.model_folder import MODEL_KINDS, ModelKind
 
 
 def _affine(x, y, *, scale, shift):
@@ -244,3 +247,23 @@ def test_the_source_digest_follows_every_python_file(tmp_path):
     (tmp_path / executables.PACKAGES[-1] / "sub" / "a.py").write_text("x = 2\n")
     assert executables.source_digest(tmp_path) != before
     assert executables.source_digest(executables.ROOT) in executables.environment()
+
+
+def test_an_abstract_model_is_kept_keyed_by_its_compute_and_built_again_from_a_damaged_file(kept, monkeypatch):
+    kind = MODEL_KINDS["vae"]
+    config = kind.config_from_diffusers(presets.get("tiny").configs["vae"])
+    built = executables.abstract_model(kind, config, Compute())
+    (path,) = kept.iterdir()
+    build = ModelKind.abstract
+    monkeypatch.setattr(ModelKind, "abstract", lambda *a: pytest.fail("built, not read"))
+    read = executables.abstract_model(kind, config, Compute())
+    assert nnx.graphdef(read) == nnx.graphdef(built)
+    shapes = lambda model: jax.tree.map(lambda a: (a.shape, a.dtype), nnx.state(model))
+    assert shapes(read) == shapes(built)
+
+    monkeypatch.setattr(ModelKind, "abstract", build)
+    executables.abstract_model(kind, config, Compute(attention="chunked"))  # another compute: another file
+    assert len(list(kept.iterdir())) == 2
+    path.write_bytes(b"damaged")
+    again = executables.abstract_model(kind, config, Compute())
+    assert nnx.graphdef(again) == nnx.graphdef(built) and path.read_bytes() != b"damaged"

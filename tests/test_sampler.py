@@ -100,7 +100,8 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
     """Three fresh processes. The first keeps its programs in JAX's persistent cache only (sdx's own cache
     off); the second finds them there, but compiles its own copies afresh to keep (a copy of what JAX's
     cache loaded would lack its kernels); the third traces and compiles none of the three and makes the
-    same image. No program holds a host callback, or no cache would keep it."""
+    same image, nor builds an abstract model (read back as `executables.abstract_model` kept them). No
+    program holds a host callback, or no cache would keep it."""
     cache = tmp_path / "jax"
     script = textwrap.dedent(
         f"""
@@ -110,9 +111,12 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
         from pipelines.request import Request
         from pipelines.sampler import enable_compilation_cache
         from sdx import mesh as meshlib
+        from sdx.model_folder import ModelKind
         enable_compilation_cache({str(cache)!r}, min_compile_secs=0)
         if sys.argv[1] == "jax-only":
             executables.folder = lambda: None
+        built, build = [], ModelKind.abstract
+        ModelKind.abstract = lambda kind, *a: built.append(kind.model_class) or build(kind, *a)
         programs = {{name for p in ("_prepare", "_denoise", "_decode") for name in (p, f"jit({{p}})")}}
         events = []
         jax.monitoring.register_event_duration_secs_listener(
@@ -121,7 +125,7 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
         images = pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0))
         np.save({str(tmp_path)!r} + "/" + sys.argv[1] + ".npy", np.asarray(images))
         print(json.dumps({{"traced": events.count("/jax/core/compile/jaxpr_trace_duration"),
-                          "compiled": events.count("/jax/core/compile/backend_compile_duration")}}))
+                          "compiled": events.count("/jax/core/compile/backend_compile_duration"), "built": len(built)}}))
         """
     )
     runs = {}
@@ -131,10 +135,11 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
         assert proc.returncode == 0, proc.stdout + proc.stderr
         runs[name] = json.loads(proc.stdout.splitlines()[-1])
     print(runs)
-    assert runs["jax-only"] == {"traced": 3, "compiled": 3}
-    assert runs["second"] == {"traced": 3, "compiled": 3}
-    assert runs["third"] == {"traced": 0, "compiled": 0}
-    assert {f.name.split("-")[0] for f in (cache / "executables").iterdir()} == {"_prepare", "_denoise", "_decode"}
+    assert runs["jax-only"] == {"traced": 3, "compiled": 3, "built": 4}  # UNet, VAE, two text encoders
+    assert runs["second"] == {"traced": 3, "compiled": 3, "built": 4}
+    assert runs["third"] == {"traced": 0, "compiled": 0, "built": 0}
+    kept = [f.name.split("-")[0] for f in (cache / "executables").iterdir()]
+    assert set(kept) == {"_prepare", "_denoise", "_decode", "model"} and kept.count("model") == 4
     first = np.load(tmp_path / "jax-only.npy")
     for name in ("second", "third"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), first)
@@ -161,7 +166,7 @@ def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_p
                                         tokenizers=pipe.tokenizers, mesh=mesh, name="own")
         traced.clear()
         images.append(own_pipe(request))
-    assert {f.name.split("-")[0] for f in tmp_path.iterdir()} == {"_denoise", "_decode"}
+    assert {f.name.split("-")[0] for f in tmp_path.iterdir()} == {"_denoise", "_decode", "model"}
     assert traced.count("_prepare") == 1 and traced.count("_denoise") == traced.count("_decode") == 0, traced
     np.testing.assert_array_equal(images[1], images[0])
 
