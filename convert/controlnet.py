@@ -27,10 +27,12 @@ hub repo with such a config.json and no model_index.json.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
+from flax import nnx
 
 from convert import controlnet_folder, diffusers_folder, hub
 from convert import controlnet_single_file as single
@@ -41,7 +43,7 @@ from sdx import io, weights
 from sdx.controlnet import ControlNetConfig, ControlNetModel
 from sdx.errors import SdxError
 from sdx.layers import Compute
-from sdx.model_folder import ModelPart
+from sdx.model_folder import ModelKind, ModelPart
 
 SUBFOLDER = "controlnet"  # where a pipeline folder or repo keeps its ControlNet
 
@@ -193,6 +195,7 @@ def load_controlnet(
     cache_dir: str | Path | None = None,
     log: Log | None = None,
     config: str | Path | None = None,
+    abstract: Callable[[ModelKind, Any, Compute], nnx.Module] | None = None,
 ) -> ControlNetModel:
     """The live ControlNet at `src` (a folder, hub id or single file, see `read_controlnet_part`), as
     `sdx.model_folder.load_component` loads the other models.
@@ -203,6 +206,7 @@ def load_controlnet(
       replaced by `dtype`. Default: Compute(dtype=dtype, param_dtype=dtype).
     sharding: one `jax.sharding.Sharding` for every parameter, or a function (path, shape) -> Sharding.
     config: for a single file, the diffusers ControlNet folder whose config.json describes it.
+    abstract: (kind, config, compute) -> the abstract model to fill, as for `load_component`.
     """
     param_dtype = jnp.dtype(weights.dtype_of(dtype))
     variant = variant if variant is not None else default_variant(dtype)
@@ -211,4 +215,5 @@ def load_controlnet(
         compute = Compute(dtype=param_dtype, param_dtype=param_dtype)
     else:
         compute = dataclasses.replace(compute, param_dtype=param_dtype)
-    return weights.materialize(KIND.abstract(part.config, compute), part.arrays, dtype=param_dtype, sharding=sharding)
+    model = (abstract or ModelKind.abstract)(KIND, part.config, compute)
+    return weights.materialize(model, part.arrays, dtype=param_dtype, sharding=sharding)

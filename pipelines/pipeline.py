@@ -92,7 +92,8 @@ class Pipeline:
                       if t in spec["components"]}
         nets = []
         for src in controlnets:
-            net = load_controlnet(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache_dir, log=log)
+            net = load_controlnet(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache_dir, log=log,
+                                  abstract=executables.abstract_model)
             control.check_compatible(net, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
             nets.append(net)
         return cls.from_models(loaded, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,

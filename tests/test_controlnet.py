@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,9 +19,11 @@ from flax import nnx
 
 from convert import hub
 from convert.controlnet import load_controlnet
+from pipelines import executables
 from sdx import diffusers_config as DC, io, unet as U, weights as W
 from sdx.controlnet import ControlNetConfig, ControlNetModel
 from sdx.errors import SdxError
+from sdx.model_folder import ModelKind
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -120,6 +123,19 @@ def test_parity_with_diffusers(name, tmp_path):
             assert err <= 1e-4 * ref_scale, f"{name}: residual {i}: max abs err {err:.3e} vs scale {ref_scale:.3f}"
             worst = max(worst, err / ref_scale)
         print(f"{name} guess_mode={guess}: worst max abs err / scale {worst:.2e}")
+
+
+def test_a_kept_abstract_model_loads_the_same_controlnet(tmp_path, monkeypatch):
+    """`load_controlnet(abstract=executables.abstract_model)`, as `Pipeline.load` calls it: the second load
+    reads the abstract model back instead of building it, and holds the same weights."""
+    _torch_controlnet(CASES["sd1"][0]).save_pretrained(tmp_path / "controlnet")
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path / "kept")
+    first = load_controlnet(tmp_path / "controlnet", abstract=executables.abstract_model)
+    monkeypatch.setattr(ModelKind, "abstract", lambda *a: pytest.fail("built, not read"))
+    again = load_controlnet(tmp_path / "controlnet", abstract=executables.abstract_model)
+    assert nnx.graphdef(again) == nnx.graphdef(first)
+    for a, b in zip(jax.tree.leaves(nnx.state(again)), jax.tree.leaves(nnx.state(first)), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_unet_adds_residuals_as_diffusers():
