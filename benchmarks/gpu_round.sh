@@ -19,7 +19,8 @@
 # The job is SDXL base's architecture (random weights), 1024², 25 Euler steps, classifier-free guidance,
 # bfloat16 (sdx's VAE too, as diffusers'; the first round's sdx VAE was float32). PRESET, SIZE, STEPS,
 # DTYPE, ATTENTION (the backend of stages 2-7), OTHER (stage 8's), TRY_FLAGS (stage 7's) and BUDGET
-# (seconds for all stages) override it, PYTHON the interpreter; for example, a rehearsal of the whole round on a CPU:
+# (seconds for all stages) override it, PYTHON the interpreter; for example, a rehearsal of the whole
+# round on a CPU:
 #   PRESET=tiny_xl SIZE=64 STEPS=2 ATTENTION=xla OTHER=chunked bash benchmarks/gpu_round.sh /tmp/round
 # It needs jax with CUDA, torch, diffusers and transformers. The first round (2026-11-26, an H100 with
 # jax 0.11.2) brought diffusers 0.42.1, transformers 5.23.0 and huggingface_hub 2.4.0 (with httpx2) as

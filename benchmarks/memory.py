@@ -33,7 +33,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.flops import _factor, unet_call  # noqa: E402
 from pipelines.sampler import _decode  # noqa: E402
-from sdx import attention, presets, weights  # noqa: E402
+from sdx import attention, presets  # noqa: E402
 from sdx.layers import Compute  # noqa: E402
 from sdx.model_folder import MODEL_KINDS  # noqa: E402
 
@@ -52,7 +52,7 @@ def decode_program(preset_name: str, size: int, batch: int, compute: Compute, tu
     configs = presets.get(preset_name).configs
     kind, factor = MODEL_KINDS["vae"], _factor(configs)
     config = kind.config_from_diffusers(configs["vae"])
-    graphdef, params = nnx.split(weights.abstract(lambda rngs: kind.build(config, compute, rngs)))
+    graphdef, params = nnx.split(kind.abstract(config, compute))
     latents = jax.ShapeDtypeStruct((batch, size // factor, size // factor, config.latent_channels), jnp.float32)
     fn = functools.partial(_decode, graphdef, devices=1 if turns else batch)
     return jax.jit(fn).lower(params, latents).compile()
@@ -65,15 +65,15 @@ def report(preset_name: str, size: int, batch: int, dtype: str, vae_dtype: str, 
     models = {c: vae_dtype if c == "vae" else dtype for c in ("text_encoder", "text_encoder_2", "unet", "vae") if c in configs}
     out = {f"parameters, {c} ({dt})": parameter_bytes(preset_name, c, dt) / GiB for c, dt in models.items()}
     resident = sum(out.values())
-    programs = {
+    sampler = {  # the programs a run holds one at a time
         f"UNet call on {2 * batch} latents": unet_call(preset_name, size, 2 * batch, compute(dtype)).compile(),
         f"decode of {batch}, one image at a time (the sampler's)": decode_program(preset_name, size, batch, compute(vae_dtype), True),
-        f"decode of {batch} at once": decode_program(preset_name, size, batch, compute(vae_dtype), False),
     }
-    stats = {name: p.memory_analysis() for name, p in programs.items()}
+    whole = {f"decode of {batch} at once": decode_program(preset_name, size, batch, compute(vae_dtype), False)}
+    stats = {name: p.memory_analysis() for name, p in {**sampler, **whole}.items()}
     out.update({f"temporaries, {name}": m.temp_size_in_bytes / GiB for name, m in stats.items()})
-    working = [m.temp_size_in_bytes + m.output_size_in_bytes for name, m in stats.items() if "at once" not in name]
-    out["estimated peak: parameters + the largest program's temporaries and outputs"] = resident + max(working) / GiB
+    working = max(stats[name].temp_size_in_bytes + stats[name].output_size_in_bytes for name in sampler)
+    out["estimated peak: parameters + the largest program's temporaries and outputs"] = resident + working / GiB
     return out
 
 

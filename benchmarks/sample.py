@@ -142,7 +142,7 @@ def run_sdx(args) -> dict:
 
     enable_compilation_cache(args.cache)
     folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
-    pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype or args.dtype, attention=args.attention)
+    pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, attention=args.attention)
     noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
     request = Request(prompts=[PROMPT] * args.batch, height=args.size, width=args.size,
                       steps=args.steps, latents=noise.astype(np.float32), guidance_scale=7.0)
@@ -238,7 +238,7 @@ def end_to_end(args, folder: Path) -> None:
     np.save(work / "noise.npy", np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     sdx = [sys.executable, "-m", "sdx.sample", "--model", str(sdx_folder), "--prompt", PROMPT, "--steps", str(args.steps),
            "--height", str(args.size), "--width", str(args.size), "--guidance-scale", "7.0", "--dtype", args.dtype,
-           "--vae-dtype", args.vae_dtype or args.dtype,
+           "--vae-dtype", args.vae_dtype,
            "--attention", args.attention, "--latents", str(work / "noise.npy"), "--output", str(work / "sdx.png"),
            "--overwrite", "--quiet",
            "--cache", args.cache or str(work / "cache")]
@@ -280,7 +280,9 @@ def parse(argv=None):
     p.add_argument("--end-to-end", type=int, metavar="N", help="time N alternated fresh processes of each instead")
     p.add_argument("--worker", choices=("sdx", "diffusers", "diffusers-e2e"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.vae_dtype = args.vae_dtype or args.dtype
+    return args
 
 
 def main(argv=None) -> int:
@@ -299,7 +301,7 @@ def main(argv=None) -> int:
     if results is None:
         return 1
     print(f"# {machine()}; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
-          f"{args.dtype} (sdx's VAE {args.vae_dtype or args.dtype})")
+          f"{args.dtype} (sdx's VAE {args.vae_dtype})")
     flops = count_flops(args)  # the same math for both
     print(f"# {flops / 1e12:.3f} TFLOP per generation (XLA's count of the model math, benchmarks/flops.py)")
     print("| framework | device | first call − steady (s) | s/image | images/s | peak memory (GiB) | GFLOP/s achieved | "

@@ -167,9 +167,11 @@ def abstract_model(kind, config, compute) -> nnx.Module:
     included, so a pickle always names the classes it was made from); reading one back takes
     milliseconds."""
     where = folder()
+    if where is None:
+        return kind.abstract(config, compute)
     try:
         text = "\n".join((environment(), _text(kind), _text(config), _text(compute)))
-        path = None if where is None else where / f"model-{hashlib.sha256(text.encode()).hexdigest()}"
+        path = where / f"model-{hashlib.sha256(text.encode()).hexdigest()}"
     except Unkeyable:
         path = None
     if path is not None and path.is_file():
