@@ -23,22 +23,22 @@ processes.configure_this_process()
 # that drew them ran for minutes after the other had finished (1358 s against 1043 s). Given first, the
 # two workers end within seconds of each other; every other file follows in xdist's usual order.
 SLOW_FILES = (
-    "tests/test_train_e2e.py",  # ~300
-    "tests/test_sampler.py",  # ~200
-    "tests/test_train_cli.py",  # ~180
-    "tests/test_controlnet_pipelines.py",  # ~170
-    "tests/test_inpaint.py",  # ~140
-    "tests/test_pipelines.py",  # ~130
-    "tests/test_default_models.py",  # ~125
-    "tests/test_randomness.py",  # ~120
-    "tests/test_unet.py",  # ~115
-    "tests/test_train_cache.py",  # ~85
-    "tests/test_train_vae.py",  # ~85
-    "tests/test_prompts_file.py",  # ~80
-    "tests/test_train_step.py",  # ~75
-    "tests/test_fuzz_readers.py",  # ~70
-    "tests/test_train_mesh.py",  # ~60
-    "tests/test_nonfinite.py",  # ~60
+    "tests/test_train_e2e.py",  # ~265
+    "tests/test_sampler.py",  # ~190
+    "tests/test_train_cli.py",  # ~155
+    "tests/test_randomness.py",  # ~115
+    "tests/test_pipelines.py",  # ~110
+    "tests/test_unet.py",  # ~100
+    "tests/test_inpaint.py",  # ~100
+    "tests/test_controlnet_pipelines.py",  # ~95
+    "tests/test_train_step.py",  # ~90
+    "tests/test_train_vae.py",  # ~75
+    "tests/test_default_models.py",  # ~70
+    "tests/test_train_cache.py",  # ~65
+    "tests/test_train_mesh.py",  # ~45
+    "tests/test_full_disk.py",  # ~45
+    "tests/test_nonfinite.py",  # ~35
+    "tests/test_fuzz_readers.py",  # ~30
 )
 
 

@@ -1,12 +1,15 @@
 """The environment of the test processes: the pytest workers themselves (tests/conftest.py) and every
 `python` they start.
 
-- XLA compiles with LLVM's optimisation level 0 (`TEST_XLA_FLAGS`). The suite runs tiny models for a
-  few steps, so XLA's CPU compile dominates it: level 0 takes about 30 % off a training step's
-  compile (34 -> 24 s for test_accumulation_equals_one_big_batch) and leaves run time on these models as
-  it was. The numbers a test compares (with diffusers, between batch sizes, meshes or resumed runs) are
-  computed under the same flags on both sides, or compared with tolerances float32 rounding stays far
-  inside.
+- XLA compiles with a low LLVM optimisation level: the suite runs tiny models for a few steps, so
+  XLA's CPU compile is much of its time. Level 1 (`TEST_XLA_FLAGS`, the pytest workers and what they
+  start) compiles as fast as the default level 2 and runs as fast. Level 0 (`TRAINING_XLA_FLAGS`, for
+  the processes that train a tiny model for a few steps) compiles a training step about 30 % faster
+  (34 -> 24 s for test_accumulation_equals_one_big_batch) but runs loop-emitted code unoptimised: a
+  sampler at 74x90 pixels spent 40 s of a 5-step run in reductions and softmaxes that take 3 s at level
+  1 (113 s -> 27 s for test_sd_text_to_image_takes_the_control_image_size). The numbers a test compares
+  (with diffusers, between batch sizes, meshes or resumed runs) are computed under the same flags on
+  both sides, or compared with tolerances float32 rounding stays far inside.
 - Each pytest-xdist worker runs on its own share of the CPUs (`pin_worker`), and so do the processes it
   starts: two workers that each spread XLA's and torch's thread pools over every core would make each
   other's threads wait (torch's OpenMP barriers spin: with both cores busy elsewhere, a test's diffusers
@@ -17,21 +20,18 @@ from __future__ import annotations
 
 import os
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=1"
+TRAINING_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
-def xla_flags(devices: int | None = None) -> str:
-    """XLA_FLAGS for a test process, with `devices` fake CPU devices (None: one)."""
-    flags = TEST_XLA_FLAGS
+def child_env(*, devices: int | None = None, training: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a `python` process a test starts: this one's, on the CPU, with the test XLA
+    flags (`training`: those of a process that trains a tiny model for a few steps) and `devices` fake
+    devices (None: one, whatever this process has), plus `extra`."""
+    flags = TRAINING_XLA_FLAGS if training else TEST_XLA_FLAGS
     if devices is not None:
         flags += f" --xla_force_host_platform_device_count={devices}"
-    return flags
-
-
-def child_env(*, devices: int | None = None, **extra: str) -> dict[str, str]:
-    """The environment of a `python` process a test starts: this one's, on the CPU, with the test XLA
-    flags and `devices` fake devices (None: one, whatever this process has), plus `extra`."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu", **extra, "XLA_FLAGS": xla_flags(devices)}
+    return {**os.environ, "JAX_PLATFORMS": "cpu", **extra, "XLA_FLAGS": flags}
 
 
 def pin_worker() -> None:
