@@ -1,19 +1,18 @@
 """The environment of the test processes: the pytest workers themselves (tests/conftest.py) and every
 `python` they start.
 
-- XLA compiles with a low LLVM optimisation level: the suite runs tiny models for a few steps, so
-  XLA's CPU compile is much of its time. Level 1 (`TEST_XLA_FLAGS`, the pytest workers and what they
-  start) compiles as fast as the default level 2 and runs as fast. Level 0 (`TRAINING_XLA_FLAGS`, for
-  the processes that train a tiny model for a few steps) compiles a training step about 30 % faster
-  (34 -> 24 s for test_accumulation_equals_one_big_batch) but runs loop-emitted code unoptimised: a
-  sampler at 74x90 pixels spent 40 s of a 5-step run in reductions and softmaxes that take 3 s at level
-  1 (113 s -> 27 s for test_sd_text_to_image_takes_the_control_image_size). A worker's flags are fixed
-  once its JAX starts, so the training tests that run inside a worker compile at level 1 too
-  (test_accumulation_equals_one_big_batch: 26 -> 39 s). The whole suite on a 2-core VM: 18 min 2 s at
-  level 0 everywhere, 17 min 3 s at level 1 everywhere, 16 min 23 s as set here.
-  The numbers a test compares (with diffusers, between batch sizes, meshes or resumed runs) are
-  computed under the same flags on both sides, or compared with tolerances float32 rounding stays far
-  inside.
+- XLA compiles with a low LLVM optimisation level: the suite runs tiny models for a few steps, so XLA's
+  CPU compile is much of its time. Level 1 (`TEST_XLA_FLAGS`, the pytest workers and what they start)
+  compiles as fast as the default level 2 and runs as fast. Level 0 (`TRAINING_XLA_FLAGS`, for the
+  processes that train a tiny model for a few steps) compiles a training step about 30 % faster (34 ->
+  24 s for test_accumulation_equals_one_big_batch on a Sapphire Rapids VM) but runs loop-emitted code
+  unoptimised: a sampler at 74x90 pixels spent 40 s of a 5-step run in reductions and softmaxes that
+  take 3 s at level 1 (113 s -> 27 s for test_sd_text_to_image_takes_the_control_image_size). A worker's
+  flags are fixed once its JAX starts, so the training tests that run inside a worker compile at level 1
+  too (test_accumulation_equals_one_big_batch: 26 -> 39 s on an AMD EPYC VM). The whole suite on that
+  VM: 18 min 2 s at level 0 everywhere, 17 min 3 s at level 1 everywhere, 16 min 23 s as set here. The
+  numbers a test compares (with diffusers, between batch sizes, meshes or resumed runs) are computed
+  under the same flags on both sides, or compared with tolerances float32 rounding stays far inside.
 - Each pytest-xdist worker runs on its own share of the CPUs (`pin_worker`), and so do the processes it
   starts: two workers that each spread XLA's and torch's thread pools over every core would make each
   other's threads wait (torch's OpenMP barriers spin: with both cores busy elsewhere, a test's diffusers
