@@ -4,27 +4,34 @@
 #
 #   bash benchmarks/gpu_round.sh OUT [WORK]
 #
-# 1. tests/test_attention.py, where the cuDNN backend is checked equal to `xla` (skipped off NVIDIA GPUs);
-# 2. steady state at batch 1 against diffusers, with a cold compilation cache (the first call's extra
+# 1. attention: tests/test_attention.py, where the cuDNN backend is checked equal to `xla` (skipped off NVIDIA GPUs);
+# 2. batch1: steady state at batch 1 against diffusers, with a cold compilation cache (the first call's extra
 #    seconds are the compile) that is kept in WORK/cache;
-# 3. end to end, a fresh `python -m sdx.sample` reading that cache against a diffusers script;
-# 4. steady state at batch 1 again, sdx alone, reading that cache: its peak memory leaves out what the
+# 3. end_to_end: a fresh `python -m sdx.sample` reading that cache against a diffusers script;
+# 4. batch1_warm: steady state at batch 1 again, sdx alone, reading that cache: its peak memory leaves out what the
 #    compile's autotuning took (the device's peak counts from the start of the process);
-# 5. steady state at batch 4 against diffusers;
-# 6. benchmarks/memory.py at batch 4: the GPU compiler's own memory analysis of the programs;
-# 7. steady state at batch 4 again, sdx alone, with XLA_FLAGS=$TRY_FLAGS added (default: every matrix
+# 5. batch4: steady state at batch 4 against diffusers;
+# 6. memory: benchmarks/memory.py at batch 4: the GPU compiler's own memory analysis of the programs;
+# 7. batch4_flags: steady state at batch 4 again, sdx alone, with XLA_FLAGS=$TRY_FLAGS added (default: every matrix
 #    product to cuBLAS rather than XLA's Triton kernels), against stage 5's sdx number;
-# 8. steady state at batch 1 with the other attention backend, sdx alone.
+# 8. batch1_other: steady state at batch 1 with the other attention backend, sdx alone;
+# 9. train: one training step of SD 1.5's UNet at 512², batch 8, bfloat16 mixed precision, against diffusers'
+#    (benchmarks/train.py; TRAIN overrides its arguments).
 #
+# STAGES (names, space-separated) runs those, in its order: a round split over two calls, say, or the
+# stages that matter most first. A stage that needs another's files (end_to_end and batch1_warm read
+# batch1's compilation cache) follows it.
 # The job is SDXL base's architecture (random weights), 1024², 25 Euler steps, classifier-free guidance,
 # bfloat16 (sdx's VAE too, as diffusers'; the first round's sdx VAE was float32). PRESET, SIZE, STEPS,
-# DTYPE, ATTENTION (the backend of stages 2-7), OTHER (stage 8's), TRY_FLAGS (stage 7's) and BUDGET
+# DTYPE, ATTENTION (the backend of stages 2-7 and 9), OTHER (stage 8's), TRY_FLAGS (stage 7's) and BUDGET
 # (seconds for all stages) override it, PYTHON the interpreter; for example, a rehearsal of the whole
 # round on a CPU:
 #   PRESET=tiny_xl SIZE=64 STEPS=2 ATTENTION=xla OTHER=chunked bash benchmarks/gpu_round.sh /tmp/round
-# It needs jax with CUDA, torch, diffusers and transformers. The first round (2026-11-26, an H100 with
-# jax 0.11.2) brought diffusers 0.42.1, transformers 5.23.0 and huggingface_hub 2.4.0 (with httpx2) as
-# wheels and kept the machine's flax 0.12.10: flax 0.12.8 does not import with jax 0.11.2.
+# It needs jax with CUDA, torch, diffusers and transformers. The H100 rounds (jax 0.11.2) carried as wheels
+# diffusers 0.42.1, transformers 5.23.0 and huggingface_hub 2.4.0 with what it and sdx's convert/hub.py
+# import (httpx2 and httpcore2 2.16.2, truststore 0.10.5, idna 3.20, anyio 4.16.0, click 8.5.1, hf-xet
+# 1.8.0: without httpx2 every sampling stage fails at its import), and kept the machine's flax 0.12.10
+# (flax 0.12.8 does not import with jax 0.11.2).
 set -u
 out=${1:?usage: gpu_round.sh OUT [WORK]}
 work=${2:-${TMPDIR:-/tmp}/sdx-gpu}
@@ -46,14 +53,24 @@ stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (le
   tail -n "${TAIL:-14}" "$out/$name.log"
 }
 
-stage attention 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py
-stage batch1 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 --cache "$work/cache"
-stage end_to_end 160 "$python" benchmarks/sample.py "${job[@]}" --attention "$attention" --cache "$work/cache" --end-to-end 1
-stage batch1_warm 90 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 2 --cache "$work/cache" --no-reference
-stage batch4 240 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2
-stage memory 150 "$python" benchmarks/memory.py "${PRESET:-sdxl_base}" "${SIZE:-1024}" 4 --dtype "${DTYPE:-bfloat16}" \
-  --vae-dtype "${DTYPE:-bfloat16}" --attention "$attention"
-try_flags=${TRY_FLAGS:---xla_gpu_enable_triton_gemm=false}
-XLA_FLAGS="${XLA_FLAGS:-} $try_flags" stage batch4_flags 150 "$python" benchmarks/sample.py "${job[@]}" --batch 4 \
-  --attention "$attention" --repeats 2 --no-reference
-stage batch1_other 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" --repeats 2 --no-reference
+read -ra train <<<"${TRAIN:---preset sd15 --size 512 --batch 8 --dtype bfloat16}"
+for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other train}; do
+  case $name in
+  attention) stage attention 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py ;;
+  batch1) stage batch1 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 \
+            --cache "$work/cache" ;;
+  end_to_end) stage end_to_end 160 "$python" benchmarks/sample.py "${job[@]}" --attention "$attention" \
+                --cache "$work/cache" --end-to-end 1 ;;
+  batch1_warm) stage batch1_warm 90 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" \
+                 --repeats 2 --cache "$work/cache" --no-reference ;;
+  batch4) stage batch4 240 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2 ;;
+  memory) stage memory 150 "$python" benchmarks/memory.py "${PRESET:-sdxl_base}" "${SIZE:-1024}" 4 \
+            --dtype "${DTYPE:-bfloat16}" --vae-dtype "${DTYPE:-bfloat16}" --attention "$attention" ;;
+  batch4_flags) XLA_FLAGS="${XLA_FLAGS:-} ${TRY_FLAGS:---xla_gpu_enable_triton_gemm=false}" stage batch4_flags 150 \
+                  "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2 --no-reference ;;
+  batch1_other) stage batch1_other 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" \
+                  --repeats 2 --no-reference ;;
+  train) stage train 200 "$python" benchmarks/train.py --channels "" "${train[@]}" --attention "$attention" --repeats 5 ;;
+  *) echo "gpu_round.sh: no stage named $name" >&2; exit 2 ;;
+  esac
+done

@@ -11,8 +11,9 @@ field of the model (`attention=`), never a global:
 - `cudnn`: cuDNN flash attention on NVIDIA GPUs. cuDNN takes only float16/bfloat16 inputs with a
   head_dim that is a multiple of 8 and at most 256 (128 before Hopper), so the choice is made per call
   at trace time (`cudnn_rejects`): a call cuDNN cannot take (the VAE's one 512-wide head) runs the `xla`
-  path instead, logged once per reason. `python -m sdx.sample`'s default for float16 and bfloat16 on
-  NVIDIA GPUs that have it (compute capability 8.0 or later): SDXL at 1024² in bfloat16 on an H100
+  path instead, logged once per reason. Odd sequence lengths (77 text tokens) are padded to even ones
+  and masked (`_cudnn`): JAX refuses odd lengths in the cuDNN backward, which training needs.
+  `python -m sdx.sample`'s default for float16 and bfloat16 on NVIDIA GPUs that have it (compute capability 8.0 or later): SDXL at 1024² in bfloat16 on an H100
   samples 1.9× faster than with `xla` (benchmarks/README.md).
 - `chunked`: one head and `chunk_size` queries at a time under `lax.map` (the batch stays whole in
   every block, so a batch split over devices stays split), so only a (batch, chunk, tokens_k) block of
@@ -144,6 +145,22 @@ def default_backend(dtype="float32") -> Backend:
     return "cudnn" if half and capability is not None and capability >= (8, 0) else "xla"
 
 
+def _cudnn(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool) -> jax.Array:
+    """cuDNN flash attention. Differentiating it, JAX refuses odd query or key lengths (its check in
+    jax/_src/cudnn/fused_attention_stablehlo.py sees a bias where none was given), so an odd length is
+    padded by one token, cuDNN's padding mask (`query_seq_lengths`/`key_value_seq_lengths`) leaves the
+    padding out of the softmax, and the padded query row is dropped."""
+    tq, tk = q.shape[1], k.shape[1]
+    if tq % 2 == 0 and tk % 2 == 0:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+    even = lambda x: jnp.pad(x, ((0, 0), (0, x.shape[1] % 2), (0, 0), (0, 0)))  # (B, T, H, D) -> (B, T + T % 2, H, D)
+    lengths = lambda t: jnp.full((q.shape[0],), t, jnp.int32)
+    out = jax.nn.dot_product_attention(even(q), even(k), even(v), scale=scale, is_causal=causal,
+                                       query_seq_lengths=lengths(tq), key_value_seq_lengths=lengths(tk),
+                                       implementation="cudnn")
+    return out[:, :tq]
+
+
 def dot_product_attention(
     q: jax.Array,
     k: jax.Array,
@@ -162,7 +179,7 @@ def dot_product_attention(
     if backend == "cudnn":
         reason = cudnn_rejects(q.dtype, q.shape[-1])
         if reason is None:
-            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal, implementation="cudnn")
+            return _cudnn(q, k, v, scale, causal)
         _log_fallback(reason)
         return _reference(q, k, v, scale, causal)
     if backend == "chunked":

@@ -154,6 +154,33 @@ def test_cudnn_backend_runs_rejected_calls_on_xla_and_says_so_once(caplog):
     assert len(caplog.records) == 1 and "float32 inputs" in caplog.records[0].getMessage()
 
 
+@pytest.mark.parametrize("tq, tk, causal", [(37, 29, False), (36, 29, False), (37, 30, False), (29, 29, True)])
+def test_cudnn_padding_of_odd_lengths_is_masked_out(monkeypatch, tq, tk, causal):
+    # `_cudnn`'s padding and masks, run through jax.nn's XLA implementation (which takes the same
+    # sequence lengths) so that a CPU checks them: values and gradients equal unpadded attention.
+    from sdx import attention
+
+    calls = []
+    real = jax.nn.dot_product_attention
+
+    def on_xla(*args, implementation=None, **kwargs):
+        calls.append(args[1].shape[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", on_xla)
+    q, k, v = _qkv(tq=tq, tk=tk, d=8)
+    scale = 8 ** -0.5
+    loss = lambda f: (lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v))))
+    padded = lambda q, k, v: attention._cudnn(q, k, v, scale, causal)
+    reference = lambda q, k, v: dot_product_attention(q, k, v, backend="xla", causal=causal)
+    with jax.default_matmul_precision("highest"):  # on a GPU, TF32 products differed by 6e-4
+        np.testing.assert_allclose(padded(q, k, v), reference(q, k, v), atol=1e-6)
+        grads = [jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v) for f in (padded, reference)]
+    for g, r in zip(*grads):
+        np.testing.assert_allclose(g, r, atol=1e-5)
+    assert calls and all(t % 2 == 0 for t in calls)
+
+
 @pytest.mark.skipif(
     jax.default_backend() != "gpu",
     reason=f"the cudnn backend needs an NVIDIA GPU; JAX's default backend here is {jax.default_backend()!r}",
@@ -163,8 +190,35 @@ def test_cudnn_equals_xla(dtype):
     # cuDNN flash attention: half-precision inputs, head_dim a multiple of 8; UNet-like shapes
     # (self-attention over 256 latent tokens, cross-attention over 77 text tokens), and SDXL's at 1024²
     # with classifier-free guidance (4096 latent tokens, 10 heads of 64).
-    for b, tq, tk, h in ((2, 256, 256, 5), (2, 256, 77, 5), (2, 4096, 4096, 10), (2, 4096, 77, 10)):
+    # Odd lengths go through the padding of `_cudnn`: a 99-token query, CLIP's causal 77 tokens.
+    shapes = ((2, 256, 256, 5, False), (2, 256, 77, 5, False), (2, 4096, 4096, 10, False), (2, 4096, 77, 10, False),
+              (2, 99, 77, 5, False), (2, 77, 77, 5, True))
+    for b, tq, tk, h, causal in shapes:
         q, k, v = _qkv(b=b, tq=tq, tk=tk, h=h, d=64, dtype=dtype)
-        ref = dot_product_attention(q, k, v, backend="xla")
-        out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, backend="cudnn"))(q, k, v)
+        ref = dot_product_attention(q, k, v, backend="xla", causal=causal)
+        out = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, backend="cudnn", causal=causal))(q, k, v)
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+
+
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason=f"the cudnn backend needs an NVIDIA GPU; JAX's default backend here is {jax.default_backend()!r}",
+)
+def test_cudnn_gradient_equals_xla():
+    # Training with --attention cudnn differentiates through cuDNN's flash attention (its own backward
+    # kernel); bfloat16 at SD 1.5's 512² shapes: self-attention, cross-attention over 77 text tokens
+    # (an odd length, padded and masked), both lengths odd, and CLIP's causal self-attention.
+    for b, tq, tk, causal in ((2, 4096, 4096, False), (2, 4096, 77, False), (2, 99, 77, False), (2, 77, 77, True)):
+        q, k, v = _qkv(b=b, tq=tq, tk=tk, h=8, d=40, dtype=jnp.bfloat16)
+        w = jnp.asarray(np.random.default_rng(1).standard_normal((b, tq, 8, 40)), jnp.float32)
+
+        def loss(backend):
+            return lambda q, k, v: jnp.sum(
+                dot_product_attention(q, k, v, backend=backend, causal=causal).astype(jnp.float32) * w)
+
+        ref = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
+        out = jax.jit(jax.grad(loss("cudnn"), argnums=(0, 1, 2)))(q, k, v)
+        for name, g, r in zip("qkv", out, ref):
+            g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+            scale = np.abs(r).max()
+            assert np.abs(g - r).max() <= 3e-2 * scale, (name, tq, tk, causal, np.abs(g - r).max(), scale)
