@@ -13,8 +13,9 @@ field of the model (`attention=`), never a global:
   at trace time (`cudnn_rejects`): a call cuDNN cannot take (the VAE's one 512-wide head) runs the `xla`
   path instead, logged once per reason. Odd sequence lengths (77 text tokens) are padded to even ones
   and masked (`_cudnn`): JAX refuses odd lengths in the cuDNN backward, which training needs.
-  `python -m sdx.sample`'s default for float16 and bfloat16 on NVIDIA GPUs that have it (compute capability 8.0 or later): SDXL at 1024² in bfloat16 on an H100
-  samples 1.9× faster than with `xla` (benchmarks/README.md).
+  `python -m sdx.sample`'s default for float16 and bfloat16 on NVIDIA GPUs that have it (compute
+  capability 8.0 or later): SDXL at 1024² in bfloat16 on an H100 samples 1.9× faster than with `xla`
+  (benchmarks/README.md).
 - `chunked`: one head and `chunk_size` queries at a time under `lax.map` (the batch stays whole in
   every block, so a batch split over devices stays split), so only a (batch, chunk, tokens_k) block of
   logits exists at once, in the forward or the backward pass; attentions with fewer than
