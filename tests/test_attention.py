@@ -13,6 +13,11 @@ import pytest
 from sdx import attention
 from sdx.attention import cudnn_rejects, dot_product_attention
 
+needs_nvidia_gpu = pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason=f"the cudnn backend needs an NVIDIA GPU; JAX's default backend here is {jax.default_backend()!r}",
+)
+
 
 def _qkv(b=2, tq=37, tk=29, h=3, d=8, seed=0, dtype=jnp.float32):
     r = np.random.default_rng(seed)
@@ -158,8 +163,6 @@ def test_cudnn_backend_runs_rejected_calls_on_xla_and_says_so_once(caplog):
 def test_cudnn_padding_of_odd_lengths_is_masked_out(monkeypatch, tq, tk, causal):
     # `_cudnn`'s padding and masks, run through jax.nn's XLA implementation (which takes the same
     # sequence lengths) so that a CPU checks them: values and gradients equal unpadded attention.
-    from sdx import attention
-
     calls = []
     real = jax.nn.dot_product_attention
 
@@ -181,10 +184,7 @@ def test_cudnn_padding_of_odd_lengths_is_masked_out(monkeypatch, tq, tk, causal)
     assert calls and all(t % 2 == 0 for t in calls)
 
 
-@pytest.mark.skipif(
-    jax.default_backend() != "gpu",
-    reason=f"the cudnn backend needs an NVIDIA GPU; JAX's default backend here is {jax.default_backend()!r}",
-)
+@needs_nvidia_gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_cudnn_equals_xla(dtype):
     # cuDNN flash attention: half-precision inputs, head_dim a multiple of 8; UNet-like shapes
@@ -200,10 +200,7 @@ def test_cudnn_equals_xla(dtype):
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
 
 
-@pytest.mark.skipif(
-    jax.default_backend() != "gpu",
-    reason=f"the cudnn backend needs an NVIDIA GPU; JAX's default backend here is {jax.default_backend()!r}",
-)
+@needs_nvidia_gpu
 def test_cudnn_gradient_equals_xla():
     # Training with --attention cudnn differentiates through cuDNN's flash attention (its own backward
     # kernel); bfloat16 at SD 1.5's 512² shapes: self-attention, cross-attention over 77 text tokens
