@@ -56,21 +56,21 @@ stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (le
 read -ra train <<<"${TRAIN:---preset sd15 --size 512 --batch 8 --dtype bfloat16}"
 for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other train}; do
   case $name in
-  attention) stage attention 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py ;;
-  batch1) stage batch1 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 \
+  attention) stage "$name" 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py ;;
+  batch1) stage "$name" 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 \
             --cache "$work/cache" ;;
-  end_to_end) stage end_to_end 160 "$python" benchmarks/sample.py "${job[@]}" --attention "$attention" \
+  end_to_end) stage "$name" 160 "$python" benchmarks/sample.py "${job[@]}" --attention "$attention" \
                 --cache "$work/cache" --end-to-end 1 ;;
-  batch1_warm) stage batch1_warm 90 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" \
+  batch1_warm) stage "$name" 90 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" \
                  --repeats 2 --cache "$work/cache" --no-reference ;;
-  batch4) stage batch4 240 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2 ;;
-  memory) stage memory 150 "$python" benchmarks/memory.py "${PRESET:-sdxl_base}" "${SIZE:-1024}" 4 \
+  batch4) stage "$name" 240 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2 ;;
+  memory) stage "$name" 150 "$python" benchmarks/memory.py "${PRESET:-sdxl_base}" "${SIZE:-1024}" 4 \
             --dtype "${DTYPE:-bfloat16}" --vae-dtype "${DTYPE:-bfloat16}" --attention "$attention" ;;
-  batch4_flags) XLA_FLAGS="${XLA_FLAGS:-} ${TRY_FLAGS:---xla_gpu_enable_triton_gemm=false}" stage batch4_flags 150 \
+  batch4_flags) XLA_FLAGS="${XLA_FLAGS:-} ${TRY_FLAGS:---xla_gpu_enable_triton_gemm=false}" stage "$name" 150 \
                   "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2 --no-reference ;;
-  batch1_other) stage batch1_other 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" \
+  batch1_other) stage "$name" 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" \
                   --repeats 2 --no-reference ;;
-  train) stage train 200 "$python" benchmarks/train.py --channels "" "${train[@]}" --attention "$attention" --repeats 5 ;;
+  train) stage "$name" 200 "$python" benchmarks/train.py --channels "" "${train[@]}" --attention "$attention" --repeats 5 ;;
   *) echo "gpu_round.sh: no stage named $name" >&2; exit 2 ;;
   esac
 done
