@@ -13,9 +13,7 @@ autotuning scratch and cuDNN's workspaces.
 `--dtype` is the text encoders' and the UNet's, `--vae-dtype` the VAE's (float32, as `python -m
 sdx.sample` runs it by default); `--attention` defaults to what `python -m sdx.sample` picks for this
 backend and dtype (`sdx.attention.default_backend`). On a GPU the numbers are the GPU compiler's own buffer
-assignment. On a CPU, XLA converts bfloat16 weights to float32 copies for its matrix products and counts
-them among the temporaries (SDXL's UNet call at 1024²: 10.1 GiB in bfloat16 against 1.3 in float32), so
-read a CPU's bfloat16 UNet numbers as an upper bound.
+assignment. The programs are compiled with the sampler's options (`pipelines/cpu_kernels.py`; none off a CPU).
 """
 
 from __future__ import annotations
@@ -32,12 +30,19 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from benchmarks.flops import _factor, unet_call  # noqa: E402
+from pipelines import cpu_kernels  # noqa: E402
 from pipelines.sampler import _decode  # noqa: E402
 from sdx import attention, presets  # noqa: E402
+from sdx import mesh as meshlib  # noqa: E402
 from sdx.layers import Compute  # noqa: E402
 from sdx.model_folder import MODEL_KINDS  # noqa: E402
 
 GiB = 2**30
+
+
+def sampler_options() -> dict[str, str]:
+    """The compile options of the sampler's programs on one device of this backend."""
+    return cpu_kernels.compiler_options(meshlib.make_mesh(devices=jax.devices()[:1]))
 
 
 def parameter_bytes(preset_name: str, component: str, dtype) -> int:
@@ -55,7 +60,7 @@ def decode_program(preset_name: str, size: int, batch: int, compute: Compute, tu
     graphdef, params = nnx.split(kind.abstract(config, compute))
     latents = jax.ShapeDtypeStruct((batch, size // factor, size // factor, config.latent_channels), jnp.float32)
     fn = functools.partial(_decode, graphdef, devices=1 if turns else batch)
-    return jax.jit(fn).lower(params, latents).compile()
+    return jax.jit(fn).lower(params, latents).compile(sampler_options())
 
 
 def report(preset_name: str, size: int, batch: int, dtype: str, vae_dtype: str, backend: str) -> dict[str, float]:
@@ -66,7 +71,7 @@ def report(preset_name: str, size: int, batch: int, dtype: str, vae_dtype: str, 
     out = {f"parameters, {c} ({dt})": parameter_bytes(preset_name, c, dt) / GiB for c, dt in models.items()}
     resident = sum(out.values())
     sampler = {  # the programs a run holds one at a time
-        f"UNet call on {2 * batch} latents": unet_call(preset_name, size, 2 * batch, compute(dtype)).compile(),
+        f"UNet call on {2 * batch} latents": unet_call(preset_name, size, 2 * batch, compute(dtype)).compile(sampler_options()),
         f"decode of {batch}, one image at a time (the sampler's)": decode_program(preset_name, size, batch, compute(vae_dtype), True),
     }
     whole = {f"decode of {batch} at once": decode_program(preset_name, size, batch, compute(vae_dtype), False)}

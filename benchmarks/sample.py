@@ -12,7 +12,8 @@ Peak memory is the accelerator's peak allocation on GPU/TPU and the process's pe
 Achieved FLOP/s: the job's floating-point operations, XLA's count of the model math (benchmarks/flops.py;
 the same for both frameworks), over each one's seconds, next to the machine's peak
 as each framework reaches it in its own process: the best of 5 float32 (or bfloat16) products of random
-2048×2048 matrices on a CPU, 8192×8192 on an accelerator (jnp.matmul for sdx, torch.matmul for diffusers).
+2048×2048 matrices on a CPU, 8192×8192 on an accelerator (sdx's layers' product, `sdx.products`, for sdx;
+torch.matmul for diffusers).
 
 `--end-to-end N` measures what a user waits for instead: the wall time of a fresh process making one
 image, `python -m sdx.sample` (its compilation cache warmed by one untimed run first) against a
@@ -139,6 +140,7 @@ def run_sdx(args) -> dict:
     from pipelines.pipeline import Pipeline
     from pipelines.request import Request
     from pipelines.sampler import enable_compilation_cache
+    from sdx import products
 
     enable_compilation_cache(args.cache)
     folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
@@ -161,8 +163,8 @@ def run_sdx(args) -> dict:
     return {
         "framework": "sdx", "device": f"{device.platform}:{device.device_kind}", "compile_s": first - min(times),
         "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if stats else "process peak RSS",
-        "matmul_peak": matmul_peak(jax.jit(jax.numpy.matmul), operand, matmul_size(device.platform != "cpu"),
-                                   lambda x: x.block_until_ready()),
+        "matmul_peak": matmul_peak(jax.jit(lambda a, b: products.dot_general(a, b, (((1,), (0,)), ((), ())))),
+                                   operand, matmul_size(device.platform != "cpu"), lambda x: x.block_until_ready()),
     }
 
 

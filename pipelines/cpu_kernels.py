@@ -1,4 +1,5 @@
-"""The XLA:CPU kernels the sampler's programs are compiled with: YNNPACK for matrix products alone.
+"""The XLA:CPU options the sampler's programs are compiled with: YNNPACK for matrix products alone, and
+XLA's memory-optimized scheduler.
 
 XLA:CPU (jaxlib 0.10) hands dots, convolutions, reductions and elementwise work around them to YNNPACK
 fusions by default. Each fusion sets itself up on a program's first run, and its convolutions and fused
@@ -7,8 +8,15 @@ YNNPACK for each matrix product alone (`INDIVIDUAL_DOT`) measured best for every
 Rapids VM, SD 1.5 and SDXL at 256² and 512², benchmarks/README.md): against the default, the first UNet
 call 0.4-4.1 s shorter, later ones equal to 5 % faster, the VAE decode 4-14 % faster.
 
+XLA:CPU's default scheduler orders a program for concurrency: work that depends only on the parameters
+runs first. In bfloat16 that work is converting weights to the float32 copies XLA:CPU convolves with (and
+multiplied with, before `sdx.products`), so all the copies are alive at once (SDXL's UNet call at 256²,
+before sdx.products: 9.6 GiB of temporaries, more than its 4.8 GiB of weights). The memory-optimized
+scheduler converts each weight where it is used: 0.13 GiB, and the call took 6.9 s instead of 12.3 s
+(2-core AMD EPYC VM); in float32 it changes neither the time nor, much, the memory.
+
 The choice is per compile (`compiler_options`), so programs a user builds around sdx keep XLA's default,
-and so does training's step. A user who sets the option in `XLA_FLAGS` keeps that choice.
+and so does training's step. A user who sets an option in `XLA_FLAGS` keeps that choice.
 """
 
 from __future__ import annotations
@@ -21,24 +29,30 @@ import jax
 import numpy as np
 
 YNNPACK_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
-OPTIONS = {YNNPACK_FUSIONS: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+SCHEDULER = "xla_cpu_scheduler_type"
+OPTIONS = {YNNPACK_FUSIONS: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT", SCHEDULER: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+# The XLA_FLAGS names that make each choice (XLA also still reads the scheduler's older switch).
+CHOSEN_BY = {YNNPACK_FUSIONS: (YNNPACK_FUSIONS,),
+             SCHEDULER: (SCHEDULER, "xla_cpu_enable_concurrency_optimized_scheduler")}
 
 
 def compiler_options(mesh) -> dict[str, str]:
-    """The options for a program of the sampler on `mesh`: `OPTIONS` on a CPU whose XLA takes them
-    (unless XLA_FLAGS sets the option); none elsewhere."""
+    """The options for a program of the sampler on `mesh`: on a CPU, each of `OPTIONS` that its XLA takes
+    and XLA_FLAGS does not choose; none elsewhere."""
     device = mesh.devices.flat[0]
-    if device.platform != "cpu" or YNNPACK_FUSIONS in os.environ.get("XLA_FLAGS", ""):
+    if device.platform != "cpu":
         return {}
-    return dict(OPTIONS) if _takes_options(device) else {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {name: value for name, value in OPTIONS.items()
+            if not any(flag in flags for flag in CHOSEN_BY.get(name, (name,))) and _takes_option(device, name, value)}
 
 
 @functools.lru_cache(maxsize=None)
-def _takes_options(device) -> bool:
-    """Whether XLA on `device` takes `OPTIONS` (another jaxlib may not: an unknown option or value is an
+def _takes_option(device, name: str, value: str) -> bool:
+    """Whether XLA on `device` takes `name=value` (another jaxlib may not: an unknown option or value is an
     error)."""
     try:
-        jax.jit(operator.neg).lower(jax.device_put(np.float32(0), device)).compile(dict(OPTIONS))
+        jax.jit(operator.neg).lower(jax.device_put(np.float32(0), device)).compile({name: value})
     except jax.errors.JaxRuntimeError:
         return False
     return True

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sdx import products
+
 Backend = Literal["auto", "xla", "matmul"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
@@ -55,8 +57,8 @@ def _matmul(lhs, rhs, window_strides, padding, out_size, precision, preferred_el
     x = jnp.pad(lhs, ((0, 0), *padding, (0, 0)))
     taps = [x[:, i:i + sh * (ho - 1) + 1:sh, j:j + sw * (wo - 1) + 1:sw, :] for i in range(kh) for j in range(kw)]
     patches = taps[0] if len(taps) == 1 else jnp.concatenate(taps, axis=-1)  # (B, Ho, Wo, kh*kw*C), HWI order
-    out = jnp.matmul(patches.reshape(b * ho * wo, kh * kw * c), rhs.reshape(kh * kw * c, o),
-                     precision=precision, preferred_element_type=preferred_element_type)
+    out = products.dot_general(patches.reshape(b * ho * wo, kh * kw * c), rhs.reshape(kh * kw * c, o),  # (B*Ho*Wo, O)
+                               (((1,), (0,)), ((), ())), precision, preferred_element_type)
     return out.reshape(b, ho, wo, o)
 
 

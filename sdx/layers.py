@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sdx import conv as convlib
+from sdx import products
 from sdx.attention import Backend, dot_product_attention
 
 
@@ -40,7 +41,8 @@ F32 = Compute()
 
 
 def linear(cp: Compute, din: int, dout: int, *, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=cp.dtype, param_dtype=cp.param_dtype, rngs=rngs)
+    return nnx.Linear(din, dout, use_bias=bias, dtype=cp.dtype, param_dtype=cp.param_dtype,
+                      dot_general=products.dot_general, rngs=rngs)
 
 
 def conv(cp: Compute, cin: int, cout: int, kernel: int, *, rngs: nnx.Rngs, stride: int = 1, padding=None) -> nnx.Conv:

@@ -199,6 +199,24 @@ def test_on_a_cpu_ynnpack_computes_the_matrix_products_alone(tiny_xl):
     assert {"convolution", "reduce", "exponential"} <= {op for f in _ynn_fusions(default.compile().as_text()) for op in f}
 
 
+def test_on_a_cpu_a_bfloat16_unet_call_does_not_hold_float32_copies_of_all_its_weights(tiny_xl):
+    """pipelines.cpu_kernels' scheduler: XLA:CPU convolves bfloat16 in float32 copies of the weights (and
+    multiplied so before `sdx.products`), and its default schedule makes them all before the first one (this
+    model's denoise program: 3.5 MB of temporaries; 8.6 MB before sdx.products, more than the UNet's 8.1 MB
+    of weights in float32). The sampler's schedule: 1.4 MB."""
+    mesh = meshlib.make_mesh(devices=jax.devices("cpu")[:1])
+    if cpu_kernels.SCHEDULER not in cpu_kernels.compiler_options(mesh):
+        pytest.skip("this jaxlib's XLA:CPU has no memory-optimized scheduler option")
+    pipe = Pipeline.load(tiny_xl, mesh=mesh, dtype="bfloat16")
+    request = Request(prompts=["a red fox"], height=32, width=32, steps=2, guidance_scale=5.0)
+    plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
+                              channels=pipe.channels)[0]
+    programs = pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
+    float32_copies = sum(leaf.size * 4 for leaf in jax.tree.leaves(pipe.sampler.params["unet"]))
+    for program in programs.denoise.values():
+        assert program.memory_analysis().temp_size_in_bytes < float32_copies / 4
+
+
 def test_the_vae_decodes_one_image_per_device_at_a_time(tiny_xl):
     """Four images decode in the working memory of one (XLA's analysis), to the same images as one by one and
     as the whole batch at once (which `devices=4` on one device gives: four images, one turn)."""
