@@ -67,7 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import control, cpu_kernels, executables, guidance, masks, text
+from pipelines import control, cpu_kernels, executables, guidance, host_memory, masks, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
@@ -464,6 +464,7 @@ class Sampler:
             decode = executables.compile(decode_fn, self.params["vae"], carry.latents, path=decode_path,
                                          compiler_options=options)
         self._programs[plan] = _Programs(prepare, denoise, sizes, decode)
+        host_memory.trim()  # what XLA freed after compiling or reading the programs
         self.compilations += 1
         if self.compile_log:
             self.compile_log(plan, time.perf_counter() - t0)

@@ -1,0 +1,47 @@
+"""pipelines.host_memory: freed heap memory goes back to the OS, and the sampler gives it back after
+compiling (or reading) its programs."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pipelines import host_memory
+from pipelines.pipeline import Pipeline
+from pipelines.request import Request, batches
+from sdx import mesh as meshlib
+
+linux_glibc = pytest.mark.skipif(sys.platform != "linux" or host_memory._malloc_trim() is None,
+                                 reason="malloc_trim is glibc's")
+
+
+def _anonymous_rss() -> int:
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(status["RssAnon"].split()[0]) * 1024
+
+
+@linux_glibc
+def test_freed_heap_memory_leaves_the_process():
+    blocks = [np.ones(8192) for _ in range(4096)]  # 256 MiB in 64 KiB blocks: under glibc's mmap threshold, on the heap
+    pin = np.ones(8192)  # allocated above them, so freeing them leaves free memory inside the heap, not at its top
+    del blocks
+    held = _anonymous_rss()
+    assert host_memory.trim()
+    assert held - _anonymous_rss() > 128 * 2**20
+    del pin
+
+
+def test_the_sampler_trims_once_per_new_set_of_programs(tmp_path_factory, demo_build, monkeypatch):
+    folder = demo_build("tiny_xl", tmp_path_factory.mktemp("demo"))
+    pipe = Pipeline.load(folder, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    calls = []
+    monkeypatch.setattr(host_memory, "trim", lambda: calls.append(1) or True)
+    for steps in (2, 2, 3):
+        request = Request(prompts=["a red fox"], height=32, width=32, steps=steps, guidance_scale=5.0)
+        plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
+                                  channels=pipe.channels)[0]
+        pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
+    assert len(calls) == 2  # steps 2, then steps 3; the second steps-2 call found its programs in memory
