@@ -4,7 +4,8 @@ On a CPU a bfloat16 product asks XLA for a float32 result and casts it back. XLA
 natively only when the result is float32; a bfloat16 result makes it convert both operands to float32
 copies first (2048³, 2-core AMD EPYC VM with AVX512-BF16: 379 GFLOP/s against 176). Either way each
 product accumulates in float32 and is rounded to bfloat16 once, so the values are the same to summation
-order. Elsewhere, and for other dtypes (float16 gains nothing on XLA:CPU), it is `lax.dot_general`.
+order. Elsewhere, and for other dtypes (float16 gains nothing on XLA:CPU), it is `lax.dot_general`. Not
+measured on a CPU without AVX512-BF16, where the native product may not be the faster one.
 """
 
 from __future__ import annotations
