@@ -44,15 +44,14 @@ def run_worker(args) -> dict:
     from convert.library import ensure_sdx_folder
     from pipelines import cpu_kernels
     from pipelines.pipeline import Pipeline
-    from pipelines.request import Request, batches
+    from pipelines.request import Request
 
     if args.worker == "default":
         cpu_kernels.compiler_options = lambda mesh: {}
     folder = ensure_sdx_folder(args.folder, cache_dir=Path(args.work) / "sdx")
     pipe = Pipeline.load(folder, attention=args.attention)
     request = Request(prompts=[PROMPT], height=args.size, width=args.size, steps=args.steps, seed=0, guidance_scale=7.0)
-    plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
-                              channels=pipe.channels)[0]
+    plan, inputs, _ = pipe._work(request)[0]
     sampler = pipe.sampler
     inputs = sampler.place(inputs)
     programs = sampler.compiled(plan, inputs)

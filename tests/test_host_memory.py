@@ -11,7 +11,7 @@ import pytest
 
 from pipelines import host_memory
 from pipelines.pipeline import Pipeline
-from pipelines.request import Request, batches
+from pipelines.request import Request
 from sdx import mesh as meshlib
 
 linux_glibc = pytest.mark.skipif(sys.platform != "linux" or host_memory._malloc_trim() is None,
@@ -41,7 +41,6 @@ def test_the_sampler_trims_once_per_new_set_of_programs(tmp_path_factory, demo_b
     monkeypatch.setattr(host_memory, "trim", lambda: calls.append(1) or True)
     for steps in (2, 2, 3):
         request = Request(prompts=["a red fox"], height=32, width=32, steps=steps, guidance_scale=5.0)
-        plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
-                                  channels=pipe.channels)[0]
+        plan, inputs, _ = pipe._work(request)[0]
         pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
     assert len(calls) == 2  # steps 2, then steps 3; the second steps-2 call found its programs in memory

@@ -26,7 +26,7 @@ from PIL import Image
 
 from pipelines import cpu_kernels, executables
 from pipelines.pipeline import Pipeline
-from pipelines.request import Request, batches
+from pipelines.request import Request
 from pipelines.sampler import _decode
 from sdx import mesh as meshlib
 from sdx.layers import Compute
@@ -187,8 +187,7 @@ def test_on_a_cpu_ynnpack_computes_the_matrix_products_alone(tiny_xl):
     mesh = meshlib.make_mesh(devices=jax.devices("cpu")[:1])
     pipe = Pipeline.load(tiny_xl, mesh=mesh)
     request = Request(prompts=["a red fox"], height=32, width=32, steps=2, guidance_scale=5.0)
-    plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
-                              channels=pipe.channels)[0]
+    plan, inputs, _ = pipe._work(request)[0]
     programs = pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
     assert cpu_kernels.compiler_options(mesh) == cpu_kernels.OPTIONS
     for program in (programs.prepare, *programs.denoise.values(), programs.decode):
@@ -209,8 +208,7 @@ def test_on_a_cpu_a_bfloat16_unet_call_does_not_hold_float32_copies_of_all_its_w
         pytest.skip("this jaxlib's XLA:CPU has no memory-optimized scheduler option")
     pipe = Pipeline.load(tiny_xl, mesh=mesh, dtype="bfloat16")
     request = Request(prompts=["a red fox"], height=32, width=32, steps=2, guidance_scale=5.0)
-    plan, inputs, _ = batches(request, pipe.family, pipe.tokenizers, pipe.scheduler, factor=pipe.factor,
-                              channels=pipe.channels)[0]
+    plan, inputs, _ = pipe._work(request)[0]
     programs = pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
     float32_copies = sum(leaf.size * 4 for leaf in jax.tree.leaves(pipe.sampler.params["unet"]))
     for program in programs.denoise.values():
@@ -250,8 +248,7 @@ def test_the_model_carries_its_compute_dtype(tiny_xl):
     assert {leaf.dtype for leaf in jax.tree.leaves(mixed.sampler.params["unet"])} == {jnp.dtype("float32")}
 
     request = Request(prompts=["a red fox", "a boat"], height=64, width=64, steps=4, seed=1, guidance_scale=5.0)
-    plan, inputs, _ = batches(request, mixed.family, mixed.tokenizers, mixed.scheduler, factor=mixed.factor,
-                              channels=mixed.channels)[0]
+    plan, inputs, _ = mixed._work(request)[0]
     _, fixed = mixed.sampler.compiled(plan, mixed.sampler.place(inputs)).prepare.out_info
     assert fixed.cond.context.dtype == fixed.cond.time_ids.dtype == jnp.bfloat16
     diff = np.abs(mixed(request) - full(request)) * 255
