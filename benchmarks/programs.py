@@ -4,7 +4,7 @@ defaults, in one run.
     python benchmarks/programs.py --preset sdxl_base --size 512 --steps 3 [--rounds 2]
 
 sdx compiles its programs with the options of `pipelines/cpu_kernels.py` (on a CPU: YNNPACK for the
-matrix products alone); `default` compiles them with none. Each choice runs in a fresh process of its
+matrix products alone, the memory-optimized scheduler); `default` compiles them with none. Each choice runs in a fresh process of its
 own, without a compilation cache (both compile), the two alternated `--rounds` times, on the same
 random-weight model as `benchmarks/sample.py` builds. A process runs prepare and decode twice and the
 denoise program once per model call of the schedule; printed per program: the first call's seconds (a
