@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from sdx.attention import dot_product_attention
-from sdx import diffusers_config, presets
+from sdx import diffusers_config, outline, presets
 from sdx.config import FLAG, JsonConfig, Kind
 from sdx.errors import SdxError
 from sdx.layers import F32, Compute, LayerNorm, linear
@@ -193,7 +193,7 @@ class CLIPEncoder(nnx.Module):
         """Returns (x, layer 1 output, ..., layer N output)."""
         states = [x]
         for layer in self.layers:
-            states.append(layer(states[-1]))
+            states.append(outline.call(layer, states[-1]))
         return tuple(states)
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sdx import conv as convlib
-from sdx import products
+from sdx import outline, products
 from sdx.attention import Backend, dot_product_attention
 
 
@@ -277,7 +277,7 @@ class Transformer2DModel(nnx.Module):
             h = self.proj_in(h)
             h = h.reshape(b, hh * ww, h.shape[-1])  # (B, HW, inner)
         for block in self.transformer_blocks:
-            h = block(h, context)
+            h = outline.call(block, h, context)
         if self.use_linear_projection:
             h = self.proj_out(h).reshape(b, hh, ww, c)
         else:
