@@ -11,8 +11,8 @@ the compiled program back (2-core CPU, 256²: about 2 of 4 s; benchmarks/README.
 on a non-inlined jit): XLA:CPU runs it as one call thunk with a sequence, and a graph, of its own. The
 kernels inside are the ones XLA would have made inline: the speed is the same, and so are float32
 results, bit for bit (in bfloat16 a block's output is rounded where it leaves the call, as torch rounds
-it, where inlined XLA may keep float32 across the boundary). Elsewhere
-than on a CPU the block is called as is: the GPU and TPU compilers get the programs they always got.
+it, where inlined XLA may keep float32 across the boundary). Elsewhere than on a CPU the block is called
+as is: the GPU and TPU compilers get the programs they always got.
 
 A block called this way must not change its own variables (they go in and are not returned): true of
 every sdx block, whose only state is its parameters.

@@ -28,7 +28,8 @@ def _kept_calls(fn, *args) -> int:
 def _block_and_inputs():
     block = BasicTransformerBlock(F32, 32, heads=2, head_dim=16, context_dim=24, rngs=nnx.Rngs(0))
     r = np.random.default_rng(0)
-    return block, jnp.asarray(r.standard_normal((2, 10, 32)), jnp.float32), jnp.asarray(r.standard_normal((2, 7, 24)), jnp.float32)
+    x, ctx = (jnp.asarray(r.standard_normal(shape), jnp.float32) for shape in ((2, 10, 32), (2, 7, 24)))
+    return block, x, ctx
 
 
 def test_a_block_is_one_kept_call_with_the_blocks_results_and_gradients():
