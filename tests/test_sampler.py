@@ -201,8 +201,8 @@ def test_on_a_cpu_ynnpack_computes_the_matrix_products_alone(tiny_xl):
 def test_on_a_cpu_a_bfloat16_unet_call_does_not_hold_float32_copies_of_all_its_weights(tiny_xl):
     """pipelines.cpu_kernels' scheduler: XLA:CPU convolves bfloat16 in float32 copies of the weights (and
     multiplied so before `sdx.products`), and its default schedule makes them all before the first one (this
-    model's denoise program: 3.5 MB of temporaries; 8.6 MB before sdx.products, more than the UNet's 8.1 MB
-    of weights in float32). The sampler's schedule: 1.4 MB."""
+    model's denoise program: 2.7 MB of temporaries, 3.5 MB before sdx.outline, 8.6 MB before sdx.products,
+    more than the UNet's 8.1 MB of weights in float32). The sampler's schedule: 1.4 MB."""
     mesh = meshlib.make_mesh(devices=jax.devices("cpu")[:1])
     if cpu_kernels.SCHEDULER not in cpu_kernels.compiler_options(mesh):
         pytest.skip("this jaxlib's XLA:CPU has no memory-optimized scheduler option")
