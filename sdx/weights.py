@@ -7,12 +7,14 @@ parameter filled, every shape checked), `to_torch_keys` is its inverse (for expo
 `materialize` puts the arrays on the device(s) and returns the live module.
 
 Reading and writing files (safetensors, JSON) is `sdx.io`'s job; the arrays here are whatever it
-handed out (memory-mapped views), so nothing is copied before it is cast or sliced for a device.
+handed out (memory-mapped views), so nothing is copied before it is cast or sliced for a device, and
+`materialize` reads `READERS` tensors at once (`io.host_copy`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -169,18 +171,29 @@ def where_of(tensors: Mapping[str, np.ndarray], default: str) -> str:
 # Materialising
 
 
-def _put(value: np.ndarray, dtype, target: jax.sharding.Sharding | None) -> jax.Array:
-    if target is None:
-        out = jnp.asarray(np.asarray(value).astype(dtype, copy=False))
-    else:
-        # Each device reads (and casts) only its own slice: a memory-mapped tensor is never fully copied
-        # on the host when it is sharded.
-        out = jax.make_array_from_callback(
-            tuple(value.shape), target, lambda index: np.asarray(value[index]).astype(dtype, copy=False)
-        )
-    if isinstance(value, np.ndarray):  # once copied, its file pages leave this process (see io.drop_pages)
-        io.drop_pages(value, out.block_until_ready)
-    return out
+def _read(value: np.ndarray, dtype, target: jax.sharding.Sharding | None) -> np.ndarray:
+    """The host side of `_place`, run in a reader thread: for a CPU, a view into the file the CPU can use in
+    place (`io.in_place`), its pages read in; else `value` read and cast (`io.host_copy`: aligned, so a CPU
+    keeps it as the device buffer); `value` itself for a sharded target (each device reads its slice)."""
+    if target is not None and not target.is_fully_replicated:
+        return value
+    devices = target.device_set if target is not None else {jax.devices()[0]}
+    if (isinstance(value, np.ndarray) and value.dtype == np.dtype(dtype) and io.in_place(value)
+            and all(d.platform == "cpu" for d in devices)):
+        io.populate(value)
+        return value
+    return io.host_copy(value, dtype)
+
+
+def _place(host: np.ndarray, dtype, target: jax.sharding.Sharding | None) -> jax.Array:
+    """`_read`'s result on `target`'s devices, in the calling thread (whose default device and mesh apply).
+    A sharded target reads each device's slice alone: a memory-mapped tensor is never fully copied."""
+    if target is None or target.is_fully_replicated:
+        return jax.device_put(host, target)
+    return jax.make_array_from_callback(tuple(host.shape), target, lambda index: io.host_copy(host[index], dtype))
+
+
+READERS = 4  # parameters read at once: enough reads in flight to fill a disk's queue (see `io.host_copy`)
 
 
 def materialize(
@@ -199,14 +212,17 @@ def materialize(
         if isinstance(var.get_value(), jax.ShapeDtypeStruct):
             key = ".".join(map(str, path))
             raise SdxError(f"model state {key} is not a parameter and has no value; it cannot be materialised")
-    flat = []
+    todo = []
     for path, var in nnx.to_flat_state(params):
         key = ".".join(map(str, path))
         if key not in arrays:
             raise SdxError(f"parameter {key} was not provided")
         value = arrays[key]
         target = sharding(key, tuple(value.shape)) if callable(sharding) else sharding
-        flat.append((path, var.replace(_put(value, dtype or var.get_value().dtype, target))))
+        todo.append((path, var, value, dtype or var.get_value().dtype, target))
+    with ThreadPoolExecutor(READERS) as pool:
+        hosts = pool.map(lambda job: _read(*job[2:]), todo)
+        flat = [(path, var.replace(_place(host, dtype, target))) for (path, var, _, dtype, target), host in zip(todo, hosts)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
 
 

@@ -297,14 +297,20 @@ def _file_pages() -> int:
     return int(status["RssFile"].split()[0]) * 1024
 
 
-def test_a_copied_tensor_leaves_its_file_pages(tmp_path):
-    """Loading copies each tensor out of the memory map; its file pages then leave the process (they stay
-    in the OS page cache), so a load never holds the whole file and all the copies at once."""
+def _big_file(tmp_path) -> tuple[Path, dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
     tensors = {"a": rng.standard_normal((2048, 4096)).astype(np.float32),
                "b": rng.standard_normal((2048, 4096)).astype(np.float32)}  # 32 MiB each
     io.write_safetensors(tmp_path / "big.safetensors", tensors)
-    arrays = io.read_safetensors(tmp_path / "big.safetensors")
+    return tmp_path / "big.safetensors", tensors
+
+
+def test_a_copied_tensor_leaves_its_file_pages(tmp_path):
+    """A tensor read through the memory map (a transposed or strided view) leaves it once copied: its file
+    pages stay in the OS page cache, not in the process, so a load never holds the whole file and all the
+    copies at once."""
+    path, tensors = _big_file(tmp_path)
+    arrays = io.read_safetensors(path)
     before = _file_pages()
     assert float(arrays["a"].sum()) == pytest.approx(float(tensors["a"].sum()), rel=1e-4)
     assert _file_pages() - before > 30 * 2**20
@@ -312,10 +318,75 @@ def test_a_copied_tensor_leaves_its_file_pages(tmp_path):
     assert _file_pages() - before < 2 * 2**20
     np.testing.assert_array_equal(arrays["a"], tensors["a"])  # read back from the page cache
     io.drop_pages(arrays["a"])
-    placed = weights._put(arrays["b"], np.float32, None)  # what materialize does with each parameter
-    assert _file_pages() - before < 2 * 2**20
-    np.testing.assert_array_equal(np.asarray(placed), tensors["b"])
+    for view, expected in ((arrays["a"].T, tensors["a"].T), (arrays["b"][:, 1000:3000], tensors["b"][:, 1000:3000])):
+        copy = io.host_copy(view)
+        assert copy.flags.c_contiguous
+        np.testing.assert_array_equal(copy, expected)
+        assert _file_pages() - before < 2 * 2**20, "a strided view's pages (from its first byte to its last) are dropped"
     io.drop_pages(np.ones(3))  # not a memory map: left alone
+
+
+def test_loading_reads_a_tensor_from_its_file_into_memory_a_cpu_uses_in_place(tmp_path):
+    """`weights.materialize` reads each tensor with `io.host_copy`: from the file, never mapping its pages, into
+    a buffer aligned so that XLA:CPU keeps it as the device buffer (no second copy); a cast reads the file's
+    dtype and converts."""
+    path, tensors = _big_file(tmp_path)
+    arrays = io.read_safetensors(path)
+    before = _file_pages()
+    copy = io.host_copy(arrays["b"])
+    assert _file_pages() - before < 2 * 2**20, "read with preadv, not through the map"
+    np.testing.assert_array_equal(copy, tensors["b"])
+    assert copy.ctypes.data % io.ALIGNMENT == 0 and copy.flags.c_contiguous and copy.flags.writeable
+    halves = io.host_copy(arrays["a"], ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(halves, tensors["a"].astype(ml_dtypes.bfloat16))
+    assert halves.ctypes.data % io.ALIGNMENT == 0 and _file_pages() - before < 2 * 2**20
+
+    placed = weights._place(weights._read(arrays["b"], np.float32, None), np.float32, None)
+    np.testing.assert_array_equal(np.asarray(placed), tensors["b"])
+    if jax.default_backend() == "cpu":
+        host = io.host_copy(arrays["a"])
+        assert jax.device_put(host).unsafe_buffer_pointer() == host.ctypes.data, "used in place"
+        off = np.empty(host.nbytes + 2 * io.ALIGNMENT, np.uint8)
+        start = -off.ctypes.data % io.ALIGNMENT + 16
+        misaligned = off[start:start + host.nbytes].view(np.float32).reshape(host.shape)
+        assert jax.device_put(misaligned).unsafe_buffer_pointer() != misaligned.ctypes.data, (
+            "16-byte alignment (numpy's own) is copied: what ALIGNMENT is for")
+
+
+def test_written_tensors_are_aligned_so_a_cpu_uses_their_file_pages_in_place(tmp_path):
+    """`write_safetensors` starts the data at a multiple of `io.ALIGNMENT` bytes and writes the tensors whose
+    size is a multiple of it first: each of those is then used in place by a CPU (the parameter's device
+    buffer is the file's page), the others are read into aligned copies."""
+    from safetensors.numpy import load_file
+
+    rng = np.random.default_rng(0)
+    tensors = {"odd": rng.standard_normal(3).astype(np.float32), "w": rng.standard_normal((64, 32)).astype(np.float32),
+               "odd2": rng.standard_normal(5).astype(np.float32), "b": rng.standard_normal(48).astype(np.float32)}
+    io.write_safetensors(tmp_path / "m.safetensors", tensors, metadata={"component": "x"})
+    arrays = io.read_safetensors(tmp_path / "m.safetensors")
+    assert [k for k, _ in sorted(arrays.items(), key=lambda kv: kv[1].ctypes.data)] == ["w", "b", "odd", "odd2"]
+    assert io.in_place(arrays["w"]) and io.in_place(arrays["b"]) and io.in_place(arrays["odd"])
+    assert not io.in_place(arrays["odd2"]), "12 bytes after an aligned start"
+    assert not io.in_place(arrays["w"].T) and not io.in_place(np.ones(16, np.float32))
+    for k, v in load_file(tmp_path / "m.safetensors").items():
+        np.testing.assert_array_equal(v, tensors[k])
+
+    placed = {k: weights._place(weights._read(v, np.float32, None), np.float32, None) for k, v in arrays.items()}
+    for k, v in arrays.items():
+        np.testing.assert_array_equal(np.asarray(placed[k]), tensors[k])
+    if jax.default_backend() == "cpu":
+        assert placed["w"].unsafe_buffer_pointer() == arrays["w"].ctypes.data, "the file's pages, in place"
+        assert placed["odd2"].unsafe_buffer_pointer() != arrays["odd2"].ctypes.data
+    cast = weights._place(weights._read(arrays["w"], ml_dtypes.bfloat16, None), ml_dtypes.bfloat16, None)
+    np.testing.assert_array_equal(np.asarray(cast), tensors["w"].astype(ml_dtypes.bfloat16))
+
+
+def test_a_file_replaced_while_loading_is_refused(tmp_path):
+    path, tensors = _big_file(tmp_path)
+    arrays = io.read_safetensors(path)
+    io.write_safetensors(path, {k: v + 1 for k, v in tensors.items()})  # a new file in its place (a new conversion)
+    with pytest.raises(SdxError, match="changed while it was being loaded"):
+        io.host_copy(arrays["a"])
 
 
 def test_safetensors_io_matches_the_library(tmp_path):
