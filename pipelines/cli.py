@@ -372,7 +372,10 @@ def run(args: argparse.Namespace) -> list[Path]:
     # inpainting and ControlNet img2img take the text-to-image model
     edits = any(job.args.image and not job.args.mask and not job.args.controlnet for job in jobs)
     args.model = args.model or ("default-edit" if edits else "default")
-    pipes = _load(args, resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options), mesh, cache, log)
+    # the first request's programs are read while the weights load (a refiner's run is two other requests)
+    first = None if args.refiner else lambda pipe: _request(todo[0], pipe)[0]
+    pipes = _load(args, resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options), mesh, cache,
+                  log, first)
     for job in todo:  # every request is checked against the model before the progress bar opens
         job.args.model = args.model
         _request(job, pipes[0])
@@ -416,8 +419,8 @@ def _log(msg: str) -> None:
     tqdm.write(msg, file=sys.stderr)  # above an open progress bar, not glued to it
 
 
-def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> list:
-    """[the pipeline] or [the SDXL base, the refiner]."""
+def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=None) -> list:
+    """[the pipeline] or [the SDXL base, the refiner]; first: `Pipeline.load`'s."""
     from convert.sources import ModelOptions
     from pipelines.pipeline import Pipeline
     from sdx.attention import default_backend
@@ -425,7 +428,7 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log) -> lis
     attention = args.attention or default_backend(args.dtype)
     load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, scheduler=args.scheduler,
                                                     attention=attention, mesh=mesh, name=name, **kw)
-    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), cache_dir=cache / "models", log=log)
+    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), cache_dir=cache / "models", log=log, first=first)
     if not args.refiner:
         return [pipe]
     if not pipe.family.xl or pipe.family.pix2pix:

@@ -15,6 +15,10 @@ such as a researcher's own block) makes the program uncachable here: it is compi
 own cache (keyed by the lowered program) still applies.
 A program that also takes another's outputs (the sampler's denoise takes prepare's) names that program's
 key instead of their shardings (`path_of(..., after=)`), so `read` can read both files at once.
+An abstract argument (`jax.ShapeDtypeStruct` with a sharding) has the same text as an array of its shape,
+dtype and sharding in the default layout, so keys can be known before the weights are: `prefetch` starts
+reading those files then, and `read` takes what it has read (`Pipeline.load(first=...)`: while the
+weights load).
 The abstract models a load fills with weights are kept beside them (`abstract_model`): building one is
 Python work (SD 1.5's three 1.3 s, SDXL's four 2.3 s on a 2-core CPU) that a warm start would repeat.
 A file that cannot be read back is compiled again and replaced. A program kept here is compiled with
@@ -38,7 +42,7 @@ import pickle
 import sys
 import types
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 
@@ -88,7 +92,29 @@ def read(paths: list[Path | None | str]) -> list[jax.stages.Compiled | None]:
         return list(pool.map(_read, paths))
 
 
+def prefetch(paths: list[Path | None | str]) -> None:
+    """Start reading the executables stored in `paths` (those that exist) in background threads; `read` and
+    `compile` then take them from there instead of reading again. For keys known before the arguments
+    exist: `Pipeline.load` computes its first request's from the abstract models and loads the weights
+    meanwhile. A prefetched program no one asks for stays in memory until the process ends."""
+    todo = [p for p in paths if isinstance(p, Path) and p not in _PREFETCHED and p.is_file()]
+    if not todo:
+        return
+    pool = ThreadPoolExecutor(max_workers=len(todo))
+    for path in todo:
+        _PREFETCHED[path] = pool.submit(_read_file, path)
+    pool.shutdown(wait=False)
+
+
+_PREFETCHED: dict[Path, Future] = {}  # `prefetch`'s reads, until `_read` takes them
+
+
 def _read(path: Path | None | str) -> jax.stages.Compiled | None:
+    future = _PREFETCHED.pop(path, None) if isinstance(path, Path) else None
+    return future.result() if future is not None else _read_file(path)
+
+
+def _read_file(path: Path | None | str) -> jax.stages.Compiled | None:
     if not isinstance(path, Path) or not path.is_file():
         return None
     try:
@@ -254,10 +280,21 @@ def _arguments(args: tuple) -> str:
 
 
 def _leaf(x) -> str:
-    if not hasattr(x, "sharding"):  # a host value: traced by its type alone, but its dtype decides the program
+    """An array's or an abstract value's (`jax.ShapeDtypeStruct` with a sharding) text: the same for both."""
+    if getattr(x, "sharding", None) is None:  # a host value: traced by its type alone, but its dtype decides the program
         raise Unkeyable(type(x).__name__)
-    layout = getattr(x, "format", None)
-    return f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {_sharding(x.sharding)} {_checked(repr(layout))}"
+    return f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {_sharding(x.sharding)} {_layout(x)}"
+
+
+def _layout(x) -> str:
+    """The text of `x`'s layout: row-major for the default one on a CPU or GPU and for an abstract value
+    (which has none), so that keys computed before the arrays exist match theirs; any other by its repr (a
+    TPU's tiled default included: its abstract keys then miss, and the program is read when needed)."""
+    layout = getattr(getattr(x, "format", None), "layout", None)
+    if layout is None or (tuple(layout.major_to_minor) == tuple(range(len(x.shape))) and not layout.tiling
+                          and not layout.sub_byte_element_size_in_bits):
+        return "row-major"
+    return _checked(repr(layout))
 
 
 @functools.lru_cache(maxsize=256)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,7 +22,7 @@ from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
 from pipelines.sampler import Sampler, controlnet_name
 from sdx import mesh as meshlib
-from sdx import model_folder, schedulers
+from sdx import model_folder, schedulers, weights
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -64,13 +66,17 @@ class Pipeline:
         controlnets: tuple[str, ...] = (),
         cache_dir: str | os.PathLike | None = None,
         log=None,
+        first: Callable[[Pipeline], Request] | None = None,
     ) -> Pipeline:
         """Load an sdx model folder onto `mesh` (default: every device, `fsdp` of them sharing parameters).
 
         dtype: the text encoders', UNet's and ControlNets' parameters and activations; vae_dtype: the VAE's
         (float32 by default: the SDXL VAE overflows in float16). scheduler: a `--scheduler` name, or None
         for the model's own scheduler_config.json. controlnets: ControlNets (`convert.controlnet.load_controlnet`
-        sources: folders, hub ids, single files), downloaded to `cache_dir`.
+        sources: folders, hub ids, single files), downloaded to `cache_dir`. first: makes the request the
+        pipeline will serve first, from a pipeline over the abstract models (shapes only, no weights; its
+        errors are raised before any weight is read); its stored programs are read while the weights load
+        (without ControlNets).
         """
         from convert.controlnet import load_controlnet
 
@@ -81,15 +87,23 @@ class Pipeline:
         computes = {n: Compute(dtype=pdt, param_dtype=pdt, attention=attention) for n in ("unet", *family.encoders)}
         computes["vae"] = Compute(dtype=jnp.dtype(vae_dtype), param_dtype=jnp.dtype(vae_dtype), attention=attention)
         rule = meshlib.param_sharding(mesh)
-        loaded = {
-            n: model_folder.load_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n], sharding=rule,
-                                           spec=spec, abstract=executables.abstract_model)
-            for n in ("unet", "vae", *family.encoders)
-        }
         sched_cfg = model_folder.scheduler_config(folder, spec=spec)
         sched = schedulers.from_name(scheduler, sched_cfg) if scheduler else schedulers.from_config(sched_cfg)
         tokenizers = {t: model_folder.load_tokenizer(folder, t, spec=spec) for t in ("tokenizer", "tokenizer_2")
                       if t in spec["components"]}
+        abstract = {n: model_folder.abstract_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n],
+                                                       spec=spec, abstract=executables.abstract_model)
+                    for n in ("unet", "vae", *family.encoders)}
+        if first is not None and not controlnets:
+            placed = {n: weights.placed_abstract(m, dtype=computes[n].param_dtype, sharding=rule) for n, m in abstract.items()}
+            shell = cls.from_models(placed, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
+                                    name=name or str(folder))
+            shell.prefetch(first(shell))
+        loaded = {  # each fills the abstract model built above
+            n: model_folder.load_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n], sharding=rule,
+                                           spec=spec, abstract=lambda *_, model=model: model)
+            for n, model in abstract.items()
+        }
         nets = []
         for src in controlnets:
             net = load_controlnet(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache_dir, log=log,
@@ -150,6 +164,17 @@ class Pipeline:
         if bad:
             raise NonFiniteImages(out, bad)
         return out
+
+    def prefetch(self, request: Request) -> None:
+        """Start reading the stored programs `request` will run (`Sampler.prefetch`); nothing when its batch
+        size depends on free memory (more images than devices: `fitting_batch` compiles to find it)."""
+        validate(request, self.family, self.factor, self.multiple, len(self.controlnets))
+        if request.batch_size is None:
+            if request.num_images > self.sampler.mesh.devices.size and meshlib.free_bytes(self.sampler.mesh) is not None:
+                return
+            request = dataclasses.replace(request, batch_size=request.num_images)
+        for plan, inputs, _ in self._work(request):
+            self.sampler.prefetch(plan, self.sampler.place(inputs))
 
     def _work(self, request: Request) -> list:
         return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,

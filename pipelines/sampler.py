@@ -337,6 +337,24 @@ def _float32_vae(vae: nnx.Module) -> nnx.Module:
 
 
 @dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """A plan's programs before compiling: the functions, the sizes of the denoise calls, the compiler
+    options and each program's file (`executables.path_of`; None: not kept, `KEYED`: known once compiled)."""
+
+    prepare_fn: functools.partial
+    denoise_fns: dict[int, functools.partial]
+    decode_fn: functools.partial | None
+    sizes: tuple[int, ...]
+    options: dict
+    prepare_path: Path | None
+    denoise_paths: dict[int, Path | None | str]
+    decode_path: Path | None | str
+
+    def paths(self) -> list[Path | None | str]:
+        return [self.prepare_path, *self.denoise_paths.values(), self.decode_path]
+
+
+@dataclasses.dataclass(frozen=True)
 class _Programs:
     """One plan's compiled programs. sizes: the model calls of each denoise call, in order; denoise:
     a program per distinct size; decode: None when the plan returns latents."""
@@ -422,12 +440,10 @@ class Sampler:
     def _denoise_params(self, plan: Plan) -> dict:
         return {name: self.params[name] for name in ("unet", *map(controlnet_name, range(plan.controlnets)))}
 
-    def compiled(self, plan: Plan, inputs: Inputs) -> _Programs:
-        """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings), or
-        read from `pipelines.executables`' files, all at once."""
-        if plan in self._programs:
-            return self._programs[plan]
-        t0 = time.perf_counter()
+    def _recipe(self, plan: Plan, inputs: Inputs) -> _Recipe:
+        """What the plan's programs are made of, and their files (`inputs`: placed, for their shapes and
+        shardings). Parameters may be abstract (`jax.ShapeDtypeStruct` with their shardings): the files are
+        keyed by shapes, dtypes and shardings alone."""
         params = self._prepare_params(plan.family)
         graphdefs = {name: self.graphdefs[name] for name in params}
         devices = self.mesh.devices.size
@@ -447,23 +463,37 @@ class Sampler:
         after = lambda fn, fn_params, **jit_options: (
             executables.KEYED if prepare_path is None else
             executables.path_of(fn, (fn_params,), jit_options, options, after=prepare_path))
-        paths = {calls: after(fn, unet_params, donate_argnums=1) for calls, fn in denoise_fns.items()}
+        denoise_paths = {calls: after(fn, unet_params, donate_argnums=1) for calls, fn in denoise_fns.items()}
         decode_path = after(decode_fn, self.params["vae"]) if plan.decode else None
-        stored = executables.read([prepare_path, *paths.values(), decode_path])
-        prepare, denoise, decode = stored[0], dict(zip(paths, stored[1:-1])), stored[-1]
+        return _Recipe(prepare_fn, denoise_fns, decode_fn, sizes, options, prepare_path, denoise_paths, decode_path)
 
+    def prefetch(self, plan: Plan, inputs: Inputs) -> None:
+        """Start reading the plan's stored programs in the background (`executables.prefetch`), for
+        `compiled` to take: a `Pipeline.load` shell over abstract models does it while the weights load."""
+        executables.prefetch(self._recipe(plan, inputs).paths())
+
+    def compiled(self, plan: Plan, inputs: Inputs) -> _Programs:
+        """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings), or
+        read from `pipelines.executables`' files, all at once."""
+        if plan in self._programs:
+            return self._programs[plan]
+        t0 = time.perf_counter()
+        r = self._recipe(plan, inputs)
+        stored = executables.read(r.paths())
+        prepare, denoise, decode = stored[0], dict(zip(r.denoise_paths, stored[1:-1])), stored[-1]
+        params = self._prepare_params(plan.family)
         if prepare is None:
-            prepare = executables.compile(prepare_fn, params, inputs, path=prepare_path, compiler_options=options)
+            prepare = executables.compile(r.prepare_fn, params, inputs, path=r.prepare_path, compiler_options=r.options)
         carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
         keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
-        for calls, fn in denoise_fns.items():
+        for calls, fn in r.denoise_fns.items():
             if denoise[calls] is None:
-                denoise[calls] = executables.compile(fn, unet_params, carry, fixed, path=paths[calls],
-                                                     compiler_options=options, out_shardings=keep, donate_argnums=1)
+                denoise[calls] = executables.compile(fn, self._denoise_params(plan), carry, fixed, path=r.denoise_paths[calls],
+                                                     compiler_options=r.options, out_shardings=keep, donate_argnums=1)
         if plan.decode and decode is None:
-            decode = executables.compile(decode_fn, self.params["vae"], carry.latents, path=decode_path,
-                                         compiler_options=options)
-        self._programs[plan] = _Programs(prepare, denoise, sizes, decode)
+            decode = executables.compile(r.decode_fn, self.params["vae"], carry.latents, path=r.decode_path,
+                                         compiler_options=r.options)
+        self._programs[plan] = _Programs(prepare, denoise, r.sizes, decode)
         host_memory.trim()  # what XLA freed after compiling or reading the programs
         self.compilations += 1
         if self.compile_log:

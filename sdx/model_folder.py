@@ -284,6 +284,30 @@ def _np_dtype(dtype) -> np.dtype:
     return weights.dtype_of(dtype) if isinstance(dtype, str) else np.dtype(jnp.dtype(dtype))
 
 
+def abstract_component(
+    folder: str | os.PathLike,
+    name: str,
+    *,
+    dtype=None,
+    compute: Compute | None = None,
+    spec: Mapping[str, Any] | None = None,
+    abstract: Callable[[ModelKind, Any, Compute], nnx.Module] | None = None,
+) -> nnx.Module:
+    """The abstract model (shapes only) `load_component` fills, from the same arguments."""
+    folder = Path(folder)
+    spec = spec or read_spec(folder)
+    param_dtype = _param_dtype(dtype, spec)
+    if compute is None:
+        compute = Compute(dtype=jnp.dtype(param_dtype), param_dtype=jnp.dtype(param_dtype))
+    else:
+        compute = dataclasses.replace(compute, param_dtype=jnp.dtype(param_dtype))
+    return (abstract or ModelKind.abstract)(_model_kind(name, folder), model_config(folder, name, spec=spec), compute)
+
+
+def _param_dtype(dtype, spec: Mapping[str, Any]) -> np.dtype:
+    return _np_dtype(dtype if dtype is not None else spec["dtype"])
+
+
 def load_component(
     folder: str | os.PathLike,
     name: str,
@@ -306,18 +330,11 @@ def load_component(
     """
     folder = Path(folder)
     spec = spec or read_spec(folder)
-    kind = _model_kind(name, folder)
-    config = model_config(folder, name, spec=spec)
-    param_dtype = _np_dtype(dtype if dtype is not None else spec["dtype"])
-    if compute is None:
-        compute = Compute(dtype=jnp.dtype(param_dtype), param_dtype=jnp.dtype(param_dtype))
-    else:
-        compute = dataclasses.replace(compute, param_dtype=jnp.dtype(param_dtype))
-    model = (abstract or ModelKind.abstract)(kind, config, compute)
+    model = abstract_component(folder, name, dtype=dtype, compute=compute, spec=spec, abstract=abstract)
     arrays = read_arrays(folder, name, spec=spec)
     where = str(folder / _entry(spec, folder, name)["file"])
     weights.check_arrays(weights.param_shapes(model), arrays, where=where)
-    return weights.materialize(model, arrays, dtype=param_dtype, sharding=sharding)
+    return weights.materialize(model, arrays, dtype=_param_dtype(dtype, spec), sharding=sharding)
 
 
 def torch_state(folder: str | os.PathLike, name: str, *, spec: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:

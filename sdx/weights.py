@@ -218,12 +218,29 @@ def materialize(
         if key not in arrays:
             raise SdxError(f"parameter {key} was not provided")
         value = arrays[key]
-        target = sharding(key, tuple(value.shape)) if callable(sharding) else sharding
-        todo.append((path, var, value, dtype or var.get_value().dtype, target))
+        todo.append((path, var, value, dtype or var.get_value().dtype, _target(sharding, key, tuple(value.shape))))
     with ThreadPoolExecutor(READERS) as pool:
         hosts = pool.map(lambda job: _read(*job[2:]), todo)
         flat = [(path, var.replace(_place(host, dtype, target))) for (path, var, _, dtype, target), host in zip(todo, hosts)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+
+
+def _target(sharding: Sharding, key: str, shape: tuple[int, ...]) -> jax.sharding.Sharding | None:
+    return sharding(key, shape) if callable(sharding) else sharding
+
+
+def placed_abstract(model: nnx.Module, *, dtype: jnp.dtype | None = None, sharding: Sharding = None) -> nnx.Module:
+    """The abstract `model` with each parameter's dtype and sharding as `materialize` (same arguments) would
+    give it: what the keys of its programs are computed from before the weights exist (`pipelines.executables`)."""
+    graphdef, state = nnx.split(model)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        value = var.get_value()
+        if isinstance(value, jax.ShapeDtypeStruct):  # a parameter (`materialize` refuses any other abstract state)
+            target = _target(sharding, ".".join(map(str, path)), tuple(value.shape))
+            var = var.replace(jax.ShapeDtypeStruct(value.shape, dtype or value.dtype, sharding=target))
+        flat.append((path, var))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def load_torch_state(model: nnx.Module, source: Mapping[str, np.ndarray], *, where: str, dtype=None, sharding=None):

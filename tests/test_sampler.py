@@ -171,6 +171,56 @@ def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_p
     np.testing.assert_array_equal(images[1], images[0])
 
 
+def test_the_first_request_s_programs_are_read_while_the_weights_load(tiny_xl, tmp_path, monkeypatch):
+    """`Pipeline.load(first=...)` keys the first request's programs from the abstract models (shapes and
+    shardings, no weights) and starts reading them before any weight is read; the loaded pipeline takes them
+    from there (so the keys match the loaded arrays'): nothing is traced or compiled, and the image is the
+    same. A first request the model refuses is refused before any weight is read."""
+    from sdx import weights
+    from sdx.errors import SdxError
+
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    mesh = meshlib.make_mesh(devices=jax.devices()[:1])
+    request = Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0)
+    expected = Pipeline.load(tiny_xl, mesh=mesh)(request)  # keeps the programs
+
+    reading, materialize = [], weights.materialize
+    monkeypatch.setattr(weights, "materialize", lambda *a, **k: (
+        reading.append(sorted(p.name.split("-")[0] for p in executables._PREFETCHED)), materialize(*a, **k))[1])
+    events = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, fun_name="", **_: events.append((event, fun_name)))
+    pipe = Pipeline.load(tiny_xl, mesh=mesh, first=lambda shell: dataclasses.replace(request, prompts=["a boat"]))
+    assert reading[0] == ["_decode", "_denoise", "_prepare"], reading
+    images = pipe(request)
+    assert not executables._PREFETCHED, "every prefetched program taken"
+    programs = {"_prepare", "_denoise", "_decode", "jit(_prepare)", "jit(_denoise)", "jit(_decode)"}
+    assert not [e for e in events if e[1] in programs], events
+    np.testing.assert_array_equal(images, expected)
+
+    reading.clear()
+    with pytest.raises(SdxError, match="positive multiples of"):
+        Pipeline.load(tiny_xl, mesh=mesh, first=lambda shell: dataclasses.replace(request, height=33))
+    assert reading == []
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_abstract_parameters_have_the_keys_of_the_loaded_ones(tiny_xl, dtype):
+    """What `Pipeline.load(first=...)` keys the programs by before the weights load (`weights.placed_abstract`)
+    is, leaf for leaf, what the loaded parameters are keyed by, in either dtype, with the mesh's shardings."""
+    from sdx import model_folder, weights
+
+    mesh = meshlib.make_mesh(devices=jax.devices()[:1])
+    rule = meshlib.param_sharding(mesh)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        compute = Compute(dtype=dtype, param_dtype=dtype)
+        model = model_folder.abstract_component(tiny_xl, name, dtype=dtype, compute=compute)
+        placed = weights.placed_abstract(model, dtype=dtype, sharding=rule)
+        loaded = model_folder.load_component(tiny_xl, name, dtype=dtype, compute=compute, sharding=rule)
+        assert executables._arguments((nnx.state(placed),)) == executables._arguments((nnx.state(loaded),)), name
+        assert executables._text(nnx.graphdef(placed)) == executables._text(nnx.graphdef(loaded)), name
+
+
 def _ynn_fusions(hlo: str) -> list[tuple[str, ...]]:
     """The operations of each YNNPACK fusion in an optimized HLO text."""
     computations = {}
