@@ -95,7 +95,8 @@ class Pipeline:
                                                        spec=spec, abstract=executables.abstract_model)
                     for n in ("unet", "vae", *family.encoders)}
         if first is not None and not controlnets:
-            placed = {n: weights.placed_abstract(m, dtype=computes[n].param_dtype, sharding=rule) for n, m in abstract.items()}
+            placed = {n: weights.placed_abstract(m, dtype=computes[n].param_dtype, sharding=rule)
+                      for n, m in abstract.items()}
             shell = cls.from_models(placed, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
                                     name=name or str(folder))
             shell.prefetch(first(shell))

@@ -2,9 +2,9 @@
 
 The safetensors reader memory-maps the file and hands out numpy views: a tensor's bytes are read
 only when it is cast, sliced for a device shard or written elsewhere, so a 10 GB UNet never sits in
-host memory twice. Loading a model reads each tensor from the file itself (`host_copy`, several at
-once) into memory that a CPU device then uses in place. It checks the header strictly (a truncated or corrupt file names its first bad
-tensor). Every writer goes through `atomic_write`: a temporary file next to the target, fsynced and
+host memory twice. Loading a model uses an aligned view's file pages in place on a CPU (`in_place`,
+`populate`) and reads any other tensor from the file itself (`host_copy`), several at once. The reader
+checks the header strictly (a truncated or corrupt file names its first bad tensor). Every writer goes through `atomic_write`: a temporary file next to the target, fsynced and
 renamed into place, so a reader never sees half a file and an interrupted run leaves the old one.
 
 Errors a user can fix (a missing, truncated or malformed file) are one SdxError naming the file.
@@ -290,8 +290,9 @@ def _mapping(array: np.ndarray) -> tuple[mmap.mmap, int] | None:
 def drop_pages(array: np.ndarray) -> None:
     """Unmap the file pages under `array`, a view into `read_safetensors`' memory map, from this process: the
     data stays in the OS page cache and a later read maps it again, but it stops counting in the process's
-    memory once it has been copied (loading SDXL would otherwise hold every file page and every copy at
-    once). Arrays not backed by a memory map are left alone."""
+    memory once it has been copied (`host_copy` of a view it cannot read from the file, a transposed or
+    strided one: a load would otherwise hold those pages and their copies at once). Arrays not backed by
+    a memory map are left alone."""
     mapped = _mapping(array)
     if mapped is None or array.nbytes == 0:
         return

@@ -221,7 +221,8 @@ def materialize(
         todo.append((path, var, value, dtype or var.get_value().dtype, _target(sharding, key, tuple(value.shape))))
     with ThreadPoolExecutor(READERS) as pool:
         hosts = pool.map(lambda job: _read(*job[2:]), todo)
-        flat = [(path, var.replace(_place(host, dtype, target))) for (path, var, _, dtype, target), host in zip(todo, hosts)]
+        flat = [(path, var.replace(_place(host, dtype, target)))
+                for (path, var, _, dtype, target), host in zip(todo, hosts)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
 
 
