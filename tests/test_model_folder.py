@@ -381,6 +381,19 @@ def test_written_tensors_are_aligned_so_a_cpu_uses_their_file_pages_in_place(tmp
     np.testing.assert_array_equal(np.asarray(cast), tensors["w"].astype(ml_dtypes.bfloat16))
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="tensors are used in place on a CPU only")
+def test_a_tensor_used_in_place_is_read_in_unless_it_is_an_embedding_table(tmp_path):
+    """Loading reads an in-place tensor's pages in (several tensors at once: its first use does not wait for
+    the disk), but not an embedding table's, of which a generation gathers a few rows."""
+    path, _ = _big_file(tmp_path)
+    arrays = io.read_safetensors(path)
+    before = _file_pages()
+    assert weights._read(arrays["a"], np.float32, None, table=True) is arrays["a"]
+    assert _file_pages() - before < 2 * 2**20
+    assert weights._read(arrays["b"], np.float32, None) is arrays["b"]
+    assert _file_pages() - before > 30 * 2**20
+
+
 def test_a_file_replaced_while_loading_is_refused(tmp_path):
     path, tensors = _big_file(tmp_path)
     arrays = io.read_safetensors(path)
