@@ -1,5 +1,7 @@
 """sdx.conv: the matmul form of a convolution equals torch's conv2d (values and gradients), `auto` takes
-it exactly where its rule says, and calls it cannot compute fall back to XLA's convolution."""
+it exactly where its rule says, and calls it cannot compute fall back to XLA's convolution;
+`upsample_conv` (nearest 2× then 3×3) equals torch's interpolate + conv2d on every backend, and `auto`
+skips the upsampled image where its rule says."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import pytest
 from flax import nnx
 
 from sdx import conv as convlib
-from sdx.layers import Compute, conv
+from sdx.layers import Compute, Upsample2D, conv
 
 torch = pytest.importorskip("torch")
 
@@ -109,3 +111,51 @@ def test_models_built_alike_have_equal_graphs_and_unknown_names_are_refused():
     assert build() == build()
     with pytest.raises(ValueError, match="conv backend 'cudnn' is not one of auto, xla, matmul"):
         convlib.for_backend("cudnn")
+
+
+def _upsample_layer(backend, channels=6):
+    layer = Upsample2D(Compute(conv=backend), channels, rngs=nnx.Rngs(0))
+    r = np.random.default_rng(3)
+    layer.conv.kernel[...] = jnp.asarray(r.standard_normal(layer.conv.kernel.shape), jnp.float32)
+    layer.conv.bias[...] = jnp.asarray(r.standard_normal(layer.conv.bias.shape), jnp.float32)
+    return layer
+
+
+def _upsampled_shapes(layer, x) -> list[tuple[int, ...]]:
+    """The shapes of the values `layer(x)` computes (its output included)."""
+    return [v.aval.shape for e in jax.make_jaxpr(layer)(x).eqns for v in e.outvars]
+
+
+@pytest.mark.parametrize("backend", convlib.BACKENDS)
+@pytest.mark.parametrize("shape", [(2, 11, 13, 6), (1, 4, 5, 6)])  # 286 pixels: `auto` folds on a CPU; 20: not
+def test_upsample_conv_is_torch_nearest_upsampling_then_conv2d(backend, shape):
+    layer = _upsample_layer(backend)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal(shape), jnp.float32)
+    graphdef, params = nnx.split(layer)
+    loss = lambda params, x: jnp.sin(nnx.merge(graphdef, params)(x)).sum()
+    out = layer(x)
+    g_params, g_x = jax.grad(loss, argnums=(0, 1))(params, x)
+
+    xt = torch.from_numpy(np.asarray(x).transpose(0, 3, 1, 2).copy()).requires_grad_()
+    wt = torch.from_numpy(np.asarray(layer.conv.kernel[...]).transpose(3, 2, 0, 1).copy()).requires_grad_()
+    bt = torch.from_numpy(np.array(layer.conv.bias[...])).requires_grad_()
+    want = torch.nn.functional.conv2d(torch.nn.functional.interpolate(xt, scale_factor=2.0, mode="nearest"), wt, bt,
+                                      padding=1)
+    torch.sin(want).sum().backward()
+    pairs = [(out, want.detach().numpy().transpose(0, 2, 3, 1)), (g_x, xt.grad.numpy().transpose(0, 2, 3, 1)),
+             (g_params["conv"]["kernel"][...], wt.grad.numpy().transpose(2, 3, 1, 0)),
+             (g_params["conv"]["bias"][...], bt.grad.numpy())]
+    for got, expected in pairs:
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(np.asarray(got), expected, atol=2e-5 * np.abs(expected).max())
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="`auto` is `xla` off the CPU")
+def test_auto_convolves_before_upsampling_where_its_rule_says():
+    """On a CPU, `auto` never upsamples (no (B, 2H, W, C) half-way image) when B·H·W ≥ PHASE_PIXELS."""
+    upsampled = lambda backend, b, h, w: (b, 2 * h, w, 6) in _upsampled_shapes(
+        _upsample_layer(backend), jnp.zeros((b, h, w, 6)))
+    assert convlib.PHASE_PIXELS == 256
+    assert not upsampled("auto", 2, 8, 16)  # 256 pixels
+    assert upsampled("auto", 1, 15, 17)  # 255
+    assert upsampled("xla", 2, 8, 16) and upsampled("matmul", 2, 8, 16)

@@ -28,10 +28,11 @@ def _diffusers_kwargs(levels: int, **kw) -> dict:
 
 # Small models; every one has non-square inputs so that an H/W mix-up fails.
 CASES = {
-    # two levels, quant convs, 2 resnets per encoder level (3 per decoder level)
+    # two levels, quant convs, 2 resnets per encoder level (3 per decoder level); its decoder upsamples
+    # 2×12×16 latents, enough pixels for `auto` on a CPU to convolve before upsampling (sdx.conv.PHASE_PIXELS)
     "quant_convs": dict(
         kw=_diffusers_kwargs(2, block_out_channels=[32, 64], layers_per_block=2, norm_num_groups=16),
-        image=(2, 16, 24),
+        image=(2, 24, 32),
     ),
     # three levels (factor 4), no quant convs, Flux-style shift/scale, 8 latent channels
     "three_levels_shift": dict(
