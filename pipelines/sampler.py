@@ -72,6 +72,7 @@ from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
 from sdx import weights
+from sdx.layers import TextContext
 from sdx.schedulers import Scheduler, State
 
 START_NOISE, START_IMAGE, START_LATENTS = "noise", "image", "latents"
@@ -190,10 +191,12 @@ class Known:
 @dataclasses.dataclass(frozen=True)
 class Fixed:
     """What every model call reads and none changes: the UNet batch's conditioning (B * branches rows),
+    its context as the UNet's `text_context` (every attention's keys and values of it, projected once),
     each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, and the
     ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`)."""
 
     cond: Conditioning
+    text: TextContext
     keys: jax.Array
     scales: Scales
     known: Known | None = None
@@ -231,7 +234,7 @@ def _in_turns(fn: Callable, x: jax.Array, devices: int):
 
 
 def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int) -> tuple[Carry, Fixed]:
-    """Conditioning and initial latents. `dtype`: the UNet's compute dtype, for what it reads; `devices`:
+    """Conditioning (with the UNet's projections of its context) and initial latents. `dtype`: the UNet's compute dtype, for what it reads; `devices`:
     the mesh's, over which the VAE encodes in turns (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
     fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
@@ -267,7 +270,8 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
         x = inputs.image.astype(jnp.float32)
     known = Known(image_latents, mask, inputs.noise) if blend else None
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
-    fixed = Fixed(plan.guidance.conditioning(cond, negative), inputs.keys, inputs.scales, known,
+    both = plan.guidance.conditioning(cond, negative)
+    fixed = Fixed(both, models["unet"].text_context(both.context), inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales)
     return Carry(x, state, first_bad), fixed
 
@@ -301,7 +305,7 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
             down, mid = control.residuals(nets, fixed.control, fixed.control_scales[:, st.index], latents_in,
                                           st.timestep, cond, guide.branches, plan.guess_mode, plan.family.xl)
             res = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
-        out = guide.combine(unet(model_in, t, cond.context, added, **res).astype(jnp.float32), fixed.scales)
+        out = guide.combine(unet(model_in, t, fixed.text, added, **res).astype(jnp.float32), fixed.scales)
         noise = None
         if sched.stochastic:
             noise = _per_image(fixed.keys, Stream.STEP_NOISE,
@@ -435,7 +439,7 @@ class Sampler:
         )
 
     def _prepare_params(self, family: Family) -> dict:
-        return {name: self.params[name] for name in ("vae", *family.encoders)}
+        return {name: self.params[name] for name in ("vae", "unet", *family.encoders)}
 
     def _denoise_params(self, plan: Plan) -> dict:
         return {name: self.params[name] for name in ("unet", *map(controlnet_name, range(plan.controlnets)))}

@@ -161,11 +161,29 @@ class Upsample2D(nnx.Module):
         return y + self.conv.bias[...].astype(y.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TextContext:
+    """A UNet's text context with the keys and values of every attention that reads it already projected
+    (`UNet2DConditionModel.text_context`), for calls that read the same text: a sampler's steps.
+
+    states: (B, S, D); kv: {attention key: (keys, values), each (B, S, heads, head_dim)}."""
+
+    states: jax.Array
+    kv: dict[str, tuple[jax.Array, jax.Array]]
+
+    def only(self, keys) -> TextContext:
+        """This context with the projections of `keys` alone (what one block passes on)."""
+        return TextContext(self.states, {k: self.kv[k] for k in keys})
+
+
 class Attention(nnx.Module):
     """diffusers' Attention: to_q/to_k/to_v, split heads, attention, to_out.0.
 
     `groups` adds the VAE's `group_norm` on the input; `residual` adds the input back and divides by
-    `rescale_output_factor`. x: (B, T, C) or (B, H, W, C); context: (B, S, Cc) for cross-attention.
+    `rescale_output_factor`. x: (B, T, C) or (B, H, W, C); context: (B, S, Cc) for cross-attention, or a
+    `TextContext` holding this attention's projections under its `key` (given by its model: an attention
+    built with a `context_dim` reads a context, whose projections can then be made once).
     """
 
     def __init__(
@@ -178,21 +196,31 @@ class Attention(nnx.Module):
         self.backend, self.chunk = cp.attention, cp.attention_chunk
         self.heads, self.head_dim = heads, head_dim
         self.residual, self.rescale_output_factor = residual, rescale_output_factor
+        self.reads_context = context_dim is not None
+        self.key: str | None = None
         self.group_norm = GroupNorm(cp, query_dim, groups, eps, rngs=rngs) if groups else None
         self.to_q = linear(cp, query_dim, inner, bias=qkv_bias, rngs=rngs)
         self.to_k = linear(cp, kv_dim, inner, bias=qkv_bias, rngs=rngs)
         self.to_v = linear(cp, kv_dim, inner, bias=qkv_bias, rngs=rngs)
         self.to_out = nnx.List([linear(cp, inner, query_dim, rngs=rngs)])
 
+    def keys_values(self, ctx) -> tuple[jax.Array, jax.Array]:
+        """(B, S, C) -> keys and values, each (B, S, heads, head_dim)."""
+        split = lambda a: a.reshape(a.shape[0], a.shape[1], self.heads, self.head_dim)  # (B, S, H, D)
+        return split(self.to_k(ctx)), split(self.to_v(ctx))
+
     def __call__(self, x, context=None):
         shape = x.shape
         h = x.reshape(shape[0], -1, shape[-1])  # (B, T, C)
         if self.group_norm is not None:
             h = self.group_norm(h)
-        ctx = h if context is None else context
-        split = lambda a: a.reshape(a.shape[0], a.shape[1], self.heads, self.head_dim)  # (B, T, H, D)
+        if isinstance(context, TextContext):
+            k, v = context.kv[self.key]
+        else:
+            k, v = self.keys_values(h if context is None else context)
+        q = self.to_q(h)
         o = dot_product_attention(
-            split(self.to_q(h)), split(self.to_k(ctx)), split(self.to_v(ctx)),
+            q.reshape(q.shape[0], q.shape[1], self.heads, self.head_dim), k, v,  # (B, T, H, D)
             backend=self.backend, chunk_size=self.chunk,
         )
         o = self.to_out[0](o.reshape(o.shape[0], o.shape[1], -1)).reshape(shape)  # (B, T, H*D) -> input shape
@@ -247,6 +275,12 @@ class BasicTransformerBlock(nnx.Module):
         x = x + self.attn2(self.norm2(x), context)
         return x + self.ff(self.norm3(x))
 
+    def own(self, context):
+        """`context`, narrowed to this block's projections when it is a `TextContext`."""
+        if not isinstance(context, TextContext):
+            return context
+        return context.only(a.key for a in (self.attn1, self.attn2) if a.reads_context)
+
 
 class Transformer2DModel(nnx.Module):
     """GroupNorm, proj_in (1x1 conv, or Linear when use_linear_projection), N transformer blocks, proj_out, residual."""
@@ -278,7 +312,7 @@ class Transformer2DModel(nnx.Module):
             h = self.proj_in(h)
             h = h.reshape(b, hh * ww, h.shape[-1])  # (B, HW, inner)
         for block in self.transformer_blocks:
-            h = outline.call(block, h, context)
+            h = outline.call(block, h, block.own(context))
         if self.use_linear_projection:
             h = self.proj_out(h).reshape(b, hh, ww, c)
         else:

@@ -68,7 +68,8 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
 
 def test_flop_count_grows_by_one_unet_call_per_step(tiny_xl):
     """Sampler.flops (benchmarks/sample.py's FLOP/s): XLA's count of a run, each denoise program counted
-    once per model call, against the UNet's own count on the guidance batch compiled alone."""
+    once per model call, against the UNet's own count on the guidance batch compiled alone, reading its
+    `text_context` as the sampler's calls do."""
     pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     for steps in (2, 5):
         pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=steps, guidance_scale=5.0))
@@ -77,10 +78,15 @@ def test_flop_count_grows_by_one_unet_call_per_step(tiny_xl):
     c, side = unet.config, 32 // pipe.factor
     added = {"text_embeds": jnp.zeros((2, c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim)),
              "time_ids": jnp.zeros((2, 6))}
-    args = (jnp.zeros((2, side, side, c.in_channels)), jnp.zeros((2,)), jnp.zeros((2, 77, c.cross_attention_dim[0])), added)
-    one_call = jax.jit(lambda m, *a: m(*a)).lower(unet, *args).compile().cost_analysis()["flops"]
+    x, t, context = jnp.zeros((2, side, side, c.in_channels)), jnp.zeros((2,)), jnp.zeros((2, 77, c.cross_attention_dim[0]))
+    flops = lambda f, *a: jax.jit(f).lower(*a).compile().cost_analysis()["flops"]
+    one_call = flops(lambda m, x, t, text: m(x, t, text, added), unet, x, t, unet.text_context(context))
     assert (five - two) / 3 == pytest.approx(one_call, rel=0.02)
     assert two > 2 * one_call  # and the text encoders and the VAE decode on top
+    # each call reads the text's projections made once by the prepare program: a plain call makes them
+    projections = flops(lambda m, c: m.text_context(c), unet, context)
+    assert projections > 0.01 * one_call
+    assert flops(lambda m, x, t, c: m(x, t, c, added), unet, x, t, context) == pytest.approx(one_call + projections, rel=0.01)
 
 
 class Bar:

@@ -116,12 +116,36 @@ def test_parity_with_diffusers(name, conv):
     cfg = U.UNetConfig.from_diffusers_config(d)
     torch_model = _torch_unet(d)
     model = _sdx_unet(cfg, torch_model, Compute(conv=conv))
-    out, ref = _run_both(torch_model, model, *_inputs(cfg, SIZES[name]))
+    x, t, ctx, added = _inputs(cfg, SIZES[name])
+    out, ref = _run_both(torch_model, model, x, t, ctx, added)
     assert out.shape == ref.shape
-    err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
-    print(f"{name}: max abs err {err:.2e} (output scale {scale:.2f})")
+    # the same call reading the context's projections made beforehand, as a sampler's steps do
+    text = nnx.jit(lambda m, c: m.text_context(c))(model, jnp.asarray(ctx))
+    with_text = nnx.jit(lambda m, *a: m(*a))(model, jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), text,
+                                             jax.tree.map(jnp.asarray, added))
+    scale = float(np.abs(ref).max())
     assert scale > 0.5  # a meaningful output, not something collapsed to zero
-    assert err <= 1e-4 * scale, f"{name}: max abs err {err:.3e} vs output scale {scale:.3f}"
+    for label, got in (("context", out), ("text_context", np.asarray(with_text).transpose(0, 3, 1, 2))):
+        err = float(np.abs(got - ref).max())
+        print(f"{name}, {label}: max abs err {err:.2e} (output scale {scale:.2f})")
+        assert err <= 1e-4 * scale, f"{name}, {label}: max abs err {err:.3e} vs output scale {scale:.3f}"
+
+
+def test_text_context_holds_every_attention_reading_the_text_and_only_its_model_takes_it():
+    d = CASES["options-mid=UNetMidBlock2DCrossAttn"]  # only_cross_attention on the first level: attn1 reads it too
+    cfg = U.UNetConfig.from_diffusers_config(d)
+    model = U.UNet2DConditionModel(cfg, rngs=nnx.Rngs(0))
+    x, t, ctx, _ = _inputs(cfg, (8, 8))
+    text = model.text_context(jnp.asarray(ctx))
+    reading = {name for name, m in _torch_unet(d).named_modules() if getattr(m, "is_cross_attention", False)}
+    assert set(text.kv) == reading  # diffusers' module paths: every attn2, and attn1 where only_cross_attention
+    assert any(k.endswith("attn1") for k in text.kv)
+    k, v = text.kv[next(iter(sorted(text.kv)))]
+    assert k.shape == v.shape and k.shape[:2] == ctx.shape[:2]
+    other = dict(text.kv)
+    other.pop(next(iter(other)))
+    with pytest.raises(SdxError, match="not made by this model's text_context"):
+        model(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), U.TextContext(text.states, other))
 
 
 def test_scalar_timestep_and_bfloat16_compute():
