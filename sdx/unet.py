@@ -424,13 +424,22 @@ class UNetEncoder(nnx.Module):
         """The architecture of this half (a UNet's own config; a ControlNet's `config.unet`)."""
         return self.config
 
+    def _reading_text(self) -> list[Attention]:
+        """The attentions that read the text context: every cross-attention (and an only-cross self-attention)."""
+        return [m for _, m in nnx.iter_graph(self) if isinstance(m, Attention) and m.reads_context]
+
     def _check_inputs(self, sample, encoder_hidden_states) -> int:
-        """The batch size, after checking the sample's layout and the context's width."""
+        """The batch size, after checking the sample's layout and the context's width (and that a
+        `TextContext` holds this model's attentions)."""
         c = self.unet_config
         if sample.ndim != 4 or sample.shape[-1] != c.in_channels:
             raise SdxError(f"{self.label}: sample must be (B, H, W, {c.in_channels}) NHWC, got {tuple(sample.shape)}")
         b = sample.shape[0]
-        ctx = encoder_hidden_states.states if isinstance(encoder_hidden_states, TextContext) else encoder_hidden_states
+        ctx = encoder_hidden_states
+        if isinstance(ctx, TextContext):
+            if set(ctx.kv) != {m.key for m in self._reading_text()}:
+                raise SdxError(f"{self.label}: this TextContext was not made by this model's text_context")
+            ctx = ctx.states
         widths = sorted({c.cross_attention_dim[i] for i in c.attention_levels})  # what the context must be
         if ctx.ndim != 3 or ctx.shape[0] != b or any(w != ctx.shape[-1] for w in widths):
             raise SdxError(
@@ -520,10 +529,6 @@ class UNet2DConditionModel(UNetEncoder):
             if isinstance(module, Attention) and module.reads_context:
                 module.key = ".".join(map(str, path))
 
-    def _reading_text(self) -> list[Attention]:
-        """The attentions that read the text context: every cross-attention (and an only-cross self-attention)."""
-        return [m for _, m in nnx.iter_graph(self) if isinstance(m, Attention) and m.reads_context]
-
     def text_context(self, encoder_hidden_states: jax.Array) -> TextContext:
         """encoder_hidden_states (B, S, D) with the keys and values of every attention that reads it
         projected, for calls that read the same text: a sampler makes them once per image instead of once
@@ -557,8 +562,6 @@ class UNet2DConditionModel(UNetEncoder):
                 "(a ControlNet's two outputs)"
             )
         b = self._check_inputs(sample, encoder_hidden_states)
-        if isinstance(encoder_hidden_states, TextContext) and set(encoder_hidden_states.kv) != {m.key for m in self._reading_text()}:
-            raise SdxError("unet: this TextContext was not made by this model's text_context")
         hh, ww = sample.shape[1:3]
         ctx = encoder_hidden_states
         x = sample.astype(self.dtype)

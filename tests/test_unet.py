@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from sdx import diffusers_config as DC, presets, unet as U, weights as W
+from sdx.controlnet import ControlNetConfig, ControlNetModel
 from sdx.errors import SdxError
 from sdx.layers import Compute
 
@@ -144,8 +145,12 @@ def test_text_context_holds_every_attention_reading_the_text_and_only_its_model_
     assert k.shape == v.shape and k.shape[:2] == ctx.shape[:2]
     other = dict(text.kv)
     other.pop(next(iter(other)))
-    with pytest.raises(SdxError, match="not made by this model's text_context"):
-        model(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), U.TextContext(text.states, other))
+    sample = jnp.asarray(x.transpose(0, 2, 3, 1))
+    with pytest.raises(SdxError, match="unet: this TextContext was not made by this model's text_context"):
+        model(sample, jnp.asarray(t), U.TextContext(text.states, other))
+    net = ControlNetModel(ControlNetConfig(unet=dataclasses.replace(cfg, center_input_sample=False)), rngs=nnx.Rngs(0))
+    with pytest.raises(SdxError, match="controlnet: this TextContext was not made by this model's text_context"):
+        net(sample, jnp.asarray(t), text, jnp.zeros((2, 64, 64, 3)))
 
 
 def test_scalar_timestep_and_bfloat16_compute():
