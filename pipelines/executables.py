@@ -327,17 +327,36 @@ def _text(x) -> str:
         return f"{_name(kind)}({', '.join(sorted(map(_text, x)))})"
     if isinstance(x, Mapping):
         return f"{_name(kind)}({{{', '.join(f'{_text(k)}: {_text(v)}' for k, v in x.items())}}})"
+    if kind is nnx.GraphDef:
+        return _graph_text(x)
     if dataclasses.is_dataclass(x):
-        names = _fields(kind)
-        if not names:
-            _EMPTY[kind] = f"{_name(kind)}()"
-            return _EMPTY[kind]
-        return f"{_name(kind)}({', '.join(f'{n}={_text(getattr(x, n))}' for n in names)})"
+        return _dataclass_text(x)
     raise Unkeyable(kind.__name__)
+
+
+def _dataclass_text(x) -> str:
+    kind = type(x)
+    names = _fields(kind)
+    if not names:
+        _EMPTY[kind] = f"{_name(kind)}()"
+        return _EMPTY[kind]
+    return f"{_name(kind)}({', '.join(f'{n}={_text(getattr(x, n))}' for n in names)})"
 
 
 _SCALARS = frozenset((type(None), bool, int, float, complex, str, bytes))
 _EMPTY: dict[type, str] = {}  # dataclasses without fields: their text is their type's
+_GRAPH_TEXTS: dict[int, tuple[nnx.GraphDef, str]] = {}  # by identity, the graph definition kept with its text
+
+
+def _graph_text(graphdef: nnx.GraphDef) -> str:
+    """A model's graph definition as text, made once per object: a sampler's graph definitions live as long
+    as it does, and several programs' keys hold the same one (the UNet's: prepare's and denoise's)."""
+    hit = _GRAPH_TEXTS.get(id(graphdef))
+    if hit is None or hit[0] is not graphdef:
+        if len(_GRAPH_TEXTS) >= 64:  # the oldest goes
+            del _GRAPH_TEXTS[next(iter(_GRAPH_TEXTS))]
+        hit = _GRAPH_TEXTS[id(graphdef)] = (graphdef, _dataclass_text(graphdef))
+    return hit[1]
 
 
 @functools.lru_cache(maxsize=None)

@@ -267,3 +267,18 @@ def test_an_abstract_model_is_kept_keyed_by_its_compute_and_built_again_from_a_d
     path.write_bytes(b"damaged")
     again = executables.abstract_model(kind, config, Compute())
     assert nnx.graphdef(again) == nnx.graphdef(built) and path.read_bytes() != b"damaged"
+
+
+def test_a_graph_definition_is_put_in_text_once_per_object(monkeypatch):
+    """Several programs' keys hold one model's graph definition: its text is made once, and an equal
+    definition of another model built alike gets the same text."""
+    kind = MODEL_KINDS["vae"]
+    config = kind.config_from_diffusers(presets.get("tiny").configs["vae"])
+    first, second = (nnx.graphdef(kind.abstract(config, Compute())) for _ in range(2))
+    assert first is not second and first == second
+    made = []
+    make = executables._dataclass_text
+    monkeypatch.setattr(executables, "_dataclass_text", lambda x: made.append(type(x)) or make(x))
+    texts = [executables._text(g) for g in (first, first, second, first)]
+    assert len(set(texts)) == 1
+    assert made.count(nnx.GraphDef) == 2
