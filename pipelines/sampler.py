@@ -234,8 +234,9 @@ def _in_turns(fn: Callable, x: jax.Array, devices: int):
 
 
 def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int) -> tuple[Carry, Fixed]:
-    """Conditioning (with the UNet's projections of its context) and initial latents. `dtype`: the UNet's compute dtype, for what it reads; `devices`:
-    the mesh's, over which the VAE encodes in turns (`_in_turns`)."""
+    """Conditioning (with the UNet's projections of its context) and initial latents. `dtype`: the UNet's
+    compute dtype, for what it reads; `devices`: the mesh's, over which the VAE encodes in turns
+    (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
     fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
     encoders = {name: models[name] for name in fam.encoders}

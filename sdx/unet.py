@@ -424,9 +424,10 @@ class UNetEncoder(nnx.Module):
         """The architecture of this half (a UNet's own config; a ControlNet's `config.unet`)."""
         return self.config
 
-    def _reading_text(self) -> list[Attention]:
-        """The attentions that read the text context: every cross-attention (and an only-cross self-attention)."""
-        return [m for _, m in nnx.iter_graph(self) if isinstance(m, Attention) and m.reads_context]
+    def _reading_text(self) -> list[tuple[tuple, Attention]]:
+        """(path, attention) of each attention that reads the text context: every cross-attention, and a
+        self-attention of `only_cross_attention`."""
+        return [(path, m) for path, m in nnx.iter_graph(self) if isinstance(m, Attention) and m.reads_context]
 
     def _check_inputs(self, sample, encoder_hidden_states) -> int:
         """The batch size, after checking the sample's layout and the context's width (and that a
@@ -437,7 +438,7 @@ class UNetEncoder(nnx.Module):
         b = sample.shape[0]
         ctx = encoder_hidden_states
         if isinstance(ctx, TextContext):
-            if set(ctx.kv) != {m.key for m in self._reading_text()}:
+            if set(ctx.kv) != {m.key for _, m in self._reading_text()}:
                 raise SdxError(f"{self.label}: this TextContext was not made by this model's text_context")
             ctx = ctx.states
         widths = sorted({c.cross_attention_dim[i] for i in c.attention_levels})  # what the context must be
@@ -525,9 +526,8 @@ class UNet2DConditionModel(UNetEncoder):
         self.up_blocks = nnx.List([UpBlock2D(cp, c, i, rngs=rngs) for i in range(c.levels)])
         self.conv_norm_out = GroupNorm(cp, boc[0], c.norm_num_groups, c.norm_eps, rngs=rngs)
         self.conv_out = conv(cp, boc[0], c.out_channels, c.conv_out_kernel, rngs=rngs)
-        for path, module in nnx.iter_graph(self):  # each attention reading the text, keyed by its path
-            if isinstance(module, Attention) and module.reads_context:
-                module.key = ".".join(map(str, path))
+        for path, attention in self._reading_text():  # keyed by its path, diffusers' module name
+            attention.key = ".".join(map(str, path))
 
     def text_context(self, encoder_hidden_states: jax.Array) -> TextContext:
         """encoder_hidden_states (B, S, D) with the keys and values of every attention that reads it
@@ -536,7 +536,7 @@ class UNet2DConditionModel(UNetEncoder):
         5.16-5.18 s with them, 4.13-4.62 s without). `__call__` takes it in place of the array, with the
         same result."""
         states = encoder_hidden_states
-        return TextContext(states, {m.key: m.keys_values(states) for m in self._reading_text()})
+        return TextContext(states, {m.key: m.keys_values(states) for _, m in self._reading_text()})
 
     def __call__(
         self,
