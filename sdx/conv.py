@@ -14,8 +14,9 @@ Every `sdx.layers.conv` (NHWC inputs, HWIO kernels) calls `for_backend(Compute.c
   the patches cost little to gather (benchmarks/README.md: SD 1.5's UNet call at 256², 2.99 s → 2.06 s).
   At high resolution gathering the patches costs more than it saves, so those stay `xla`.
 
-`upsample_conv` is the 3×3 convolution of a nearest-neighbour 2× upsampled image (every `Upsample2D`).
-With `auto` on a CPU it is computed on the image before upsampling, with 2.25× fewer products (see there).
+`upsample_conv` is the 3×3 convolution of a nearest-neighbour 2× upsampled image computed on the image
+before upsampling, with 2.25× fewer products; every `Upsample2D` takes it under `auto` on a CPU where
+`folds_upsampling` says.
 """
 
 from __future__ import annotations
@@ -99,40 +100,35 @@ def _phase_kernel(kernel: jax.Array) -> jax.Array:
     return k.transpose(2, 3, 4, 1, 0, 5).reshape(2, 2, c, 4 * o)
 
 
-def _phases(x: jax.Array, kernel: jax.Array, conv_fn) -> jax.Array:
-    """The 3×3 same-padded convolution of `x` upsampled 2× by nearest neighbour, on `x` itself.
+PHASE_PIXELS = 256
+"""`upsample_conv` is taken (`folds_upsampling`) under `auto` on a CPU for an image of at least this many
+pixels (B·H·W). Below it, forming the 2×2 kernels (16·C·O values each call) costs more than the products
+saved: benchmarks/README.md measures both sides (2×4²×1280 slower, 2×16²×640 faster)."""
+
+
+def folds_upsampling(shape: tuple[int, ...], backend: Backend) -> bool:
+    """Whether an `Upsample2D` of a (B, H, W, C) image convolves it before upsampling (`upsample_conv`):
+    under `auto` on a CPU, with B·H·W ≥ PHASE_PIXELS. Otherwise it upsamples, then convolves as any conv."""
+    b, h, w, _ = shape
+    return backend == "auto" and jax.default_backend() == "cpu" and b * h * w >= PHASE_PIXELS
+
+
+def upsample_conv(x: jax.Array, kernel: jax.Array, backend: Backend) -> jax.Array:
+    """The 3×3 convolution, padding 1 (no bias), of `x` (B, H, W, C) upsampled 2× by nearest neighbour,
+    computed on `x` itself: (B, 2H, 2W, O) for the (3, 3, C, O) `kernel` (cast to x's dtype).
 
     Output pixel (2i + a, 2j + b) sees upsampled rows 2i + a - 1 .. 2i + a + 1, which are input rows i - 1, i
     (a = 0) or i, i + 1 (a = 1), and the same for columns: four 2×2 kernels (`_phase_kernel`). One 2×2
-    convolution of `x` padded by one pixel computes all four as 4·O channels at (H + 1)·(W + 1) places;
-    phase (a, b) is the window starting at (a, b). 16 products per input pixel and output channel, against
-    the upsampled image's 36."""
+    convolution (`backend`'s) of `x` padded by one pixel computes all four as 4·O channels at
+    (H + 1)·(W + 1) places; phase (a, b) is the window starting at (a, b). 16 products per input pixel and
+    output channel, against the upsampled image's 36."""
     b, h, w, _ = x.shape
     o = kernel.shape[-1]
     k = _phase_kernel(kernel.astype(jnp.float32)).astype(x.dtype)
     nhwc = lax.conv_dimension_numbers(x.shape, k.shape, _NHWC)
-    y = conv_fn(x, k, (1, 1), ((1, 1), (1, 1)), dimension_numbers=nhwc).reshape(b, h + 1, w + 1, 2, 2, o)
+    y = for_backend(backend)(x, k, (1, 1), ((1, 1), (1, 1)), dimension_numbers=nhwc).reshape(b, h + 1, w + 1, 2, 2, o)
     rows = [jnp.stack([y[:, a:a + h, c:c + w, a, c] for c in (0, 1)], axis=3) for a in (0, 1)]  # (B, H, W, 2, O)
     return jnp.stack(rows, axis=2).reshape(b, 2 * h, 2 * w, o)  # (B, H, 2, W, 2, O) -> (B, 2H, 2W, O)
-
-
-PHASE_PIXELS = 256
-"""`upsample_conv` under `auto` on a CPU works on the image before upsampling when it has at least this
-many pixels (B·H·W). Below it, forming the 2×2 kernels (16·C·O values each call) costs more than the
-products saved: benchmarks/README.md measures both sides (2×4²×1280 slower, 2×16²×640 faster)."""
-
-
-def upsample_conv(x: jax.Array, kernel: jax.Array, backend: Backend) -> jax.Array:
-    """The 3×3 convolution, padding 1, of `x` (B, H, W, C) upsampled 2× by nearest neighbour, by the
-    (3, 3, C, O) `kernel` (no bias; cast to x's dtype): (B, 2H, 2W, O). Under `auto` on a CPU, with
-    B·H·W ≥ PHASE_PIXELS, it is computed on x before upsampling (`_phases`); otherwise literally."""
-    conv_fn = for_backend(backend)
-    b, h, w, _ = x.shape
-    if backend == "auto" and jax.default_backend() == "cpu" and b * h * w >= PHASE_PIXELS:
-        return _phases(x, kernel, conv_fn)
-    up = jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2)  # (B, 2H, 2W, C)
-    k = kernel.astype(x.dtype)
-    return conv_fn(up, k, (1, 1), ((1, 1), (1, 1)), dimension_numbers=lax.conv_dimension_numbers(up.shape, k.shape, _NHWC))
 
 
 # module-level functions, so two models built alike have equal graph definitions (jit's cache key)

@@ -150,13 +150,16 @@ class Downsample2D(nnx.Module):
 
 
 class Upsample2D(nnx.Module):
-    """Nearest-neighbour 2x then a 3x3 conv (`sdx.conv.upsample_conv`)."""
+    """Nearest-neighbour 2x then a 3x3 conv; on a CPU, for large enough images, the conv computed before
+    upsampling (`sdx.conv.upsample_conv`, `folds_upsampling`)."""
 
     def __init__(self, cp: Compute, channels: int, *, rngs: nnx.Rngs):
         self.conv = conv(cp, channels, channels, 3, rngs=rngs)
         self.backend = cp.conv
 
     def __call__(self, x):
+        if not convlib.folds_upsampling(x.shape, self.backend):
+            return self.conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2))  # (B, 2H, 2W, C)
         y = convlib.upsample_conv(x.astype(self.conv.dtype), self.conv.kernel[...], self.backend)
         return y + self.conv.bias[...].astype(y.dtype)
 

@@ -1,7 +1,7 @@
 """sdx.conv: the matmul form of a convolution equals torch's conv2d (values and gradients), `auto` takes
 it exactly where its rule says, and calls it cannot compute fall back to XLA's convolution;
-`upsample_conv` (nearest 2× then 3×3) equals torch's interpolate + conv2d on every backend, and `auto`
-skips the upsampled image where its rule says."""
+`Upsample2D` (nearest 2× then 3×3, folded by `upsample_conv` or not) equals torch's interpolate + conv2d
+on every backend, and `auto` skips the upsampled image where its rule says."""
 
 import jax
 import jax.numpy as jnp
@@ -152,7 +152,8 @@ def test_upsample_conv_is_torch_nearest_upsampling_then_conv2d(backend, shape):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="`auto` is `xla` off the CPU")
 def test_auto_convolves_before_upsampling_where_its_rule_says():
-    """On a CPU, `auto` never upsamples (no (B, 2H, W, C) half-way image) when B·H·W ≥ PHASE_PIXELS."""
+    """On a CPU, `auto` never upsamples (no (B, 2H, W, C) half-way image) when B·H·W ≥ PHASE_PIXELS
+    (`folds_upsampling`)."""
     upsampled = lambda backend, b, h, w: (b, 2 * h, w, 6) in _upsampled_shapes(
         _upsample_layer(backend), jnp.zeros((b, h, w, 6)))
     assert convlib.PHASE_PIXELS == 256
