@@ -1,4 +1,4 @@
-"""2-D convolution for every sdx model: XLA's convolution, or the same sum as one matrix product.
+"""2-D convolution for every sdx model: XLA's convolution, or the same sum as matrix products.
 
 Every `sdx.layers.conv` (NHWC inputs, HWIO kernels) calls `for_backend(Compute.conv)`, a drop-in for
 `lax.conv_general_dilated`. The backends give the same result to float32 rounding:
@@ -7,12 +7,17 @@ Every `sdx.layers.conv` (NHWC inputs, HWIO kernels) calls `for_backend(Compute.c
 - `matmul`: every convolution without dilation or groups as one matrix product: a 1×1 kernel
   multiplies the pixels by the kernel directly; a k×k kernel first gathers each output pixel's k·k
   input pixels side by side (its patch, (B·Ho·Wo, k·k·C)) and multiplies that by the (k·k·C, O) kernel.
-- `auto` (the default): on a CPU, 1×1 kernels as `matmul` always, and larger kernels as `matmul` when
+- `winograd`: every float32 3×3 convolution with stride 1 and one pixel of padding (all but the
+  UNet's and VAE's first and last and the downsamplers) as Winograd F(2×2, 3×3) (`winograd`): 16
+  matrix products with 4 products per output pixel and channel pair instead of 9; `xla` for the rest.
+- `auto` (the default): on a CPU, 3×3 kernels as `winograd` where `WINOGRAD_PIXELS` and
+  `WINOGRAD_CHANNELS` say; then 1×1 kernels as `matmul` always, and larger kernels as `matmul` when
   the patch matrix has no more rows than the input has channels (B·Ho·Wo ≤ C); `xla` otherwise and on
   every other platform. XLA's CPU convolution splits its work over output pixels, so at the UNet's
   low-resolution levels (8×8 latents, 1,280 channels) it reaches a third of the matmul rate; there
   the patches cost little to gather (benchmarks/README.md: SD 1.5's UNet call at 256², 2.99 s → 2.06 s).
-  At high resolution gathering the patches costs more than it saves, so those stay `xla`.
+  At high resolution gathering the patches costs more than it saves, and there Winograd's products
+  take the work (SD 1.5's VAE decode at 256², 2.93 → 2.25 s).
 
 `upsample_conv` is the 3×3 convolution of a nearest-neighbour 2× upsampled image computed on the image
 before upsampling, with 2.25× fewer products; every `Upsample2D` takes it under `auto` on a CPU where
@@ -21,6 +26,7 @@ before upsampling, with 2.25× fewer products; every `Upsample2D` takes it under
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, get_args
 
 import jax
@@ -29,7 +35,7 @@ from jax import lax
 
 from sdx import products
 
-Backend = Literal["auto", "xla", "matmul"]
+Backend = Literal["auto", "xla", "matmul", "winograd"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 
 _NHWC = ("NHWC", "HWIO", "NHWC")
@@ -67,12 +73,18 @@ def _matmul(lhs, rhs, window_strides, padding, out_size, precision, preferred_el
 
 
 def _call(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None, dimension_numbers=None,
-          feature_group_count=1, precision=None, preferred_element_type=None, *, auto: bool, **kw):
+          feature_group_count=1, precision=None, preferred_element_type=None, *, form: str, **kw):
+    """The convolution in `form` (`auto`, `matmul` or `winograd`, module docstring) where that form can
+    compute it, XLA's otherwise."""
     if _as_matmul(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
                   feature_group_count, **kw):
-        kh, kw_, c, _ = rhs.shape
+        kh, kw_, c, o = rhs.shape
         ho, wo = _out_size(lhs, rhs, window_strides, padding)
-        if not auto or (jax.default_backend() == "cpu" and (kh * kw_ == 1 or lhs.shape[0] * ho * wo <= c)):
+        cpu = jax.default_backend() == "cpu"
+        if form != "matmul" and _winograd_computes(lhs, rhs, window_strides, padding) and (
+                form == "winograd" or (cpu and lhs.shape[0] * ho * wo >= WINOGRAD_PIXELS and min(c, o) >= WINOGRAD_CHANNELS)):
+            return winograd(lhs, rhs, precision, preferred_element_type)
+        if form == "matmul" or (form == "auto" and cpu and (kh * kw_ == 1 or lhs.shape[0] * ho * wo <= c)):
             return _matmul(lhs, rhs, window_strides, padding, (ho, wo), precision, preferred_element_type)
     return lax.conv_general_dilated(
         lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
@@ -81,12 +93,86 @@ def _call(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=Non
     )
 
 
-def _auto(*args, **kw):
-    return _call(*args, auto=True, **kw)
+_auto = functools.partial(_call, form="auto")
+_always_matmul = functools.partial(_call, form="matmul")
+_always_winograd = functools.partial(_call, form="winograd")
 
 
-def _always(*args, **kw):
-    return _call(*args, auto=False, **kw)
+WINOGRAD_PIXELS = 512
+WINOGRAD_CHANNELS = 256
+"""`auto` on a CPU computes a 3×3 convolution by `winograd` when it has at least WINOGRAD_PIXELS output
+pixels (B·H·W) and WINOGRAD_CHANNELS input and output channels: below either, the transforms (memory
+traffic, and the kernel's 16·C·O values formed at every call) cost more than the products saved
+(benchmarks/README.md measures both sides)."""
+
+# Winograd F(2×2, 3×3) (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2015): a 2×2 block
+# of outputs of a 3×3 kernel is A^T [(G g G^T) ⊙ (B^T d B)] A for the block's 4×4 input tile d
+_BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))  # (4, 4) input transform
+_G = ((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1))  # (4, 3) kernel transform
+_AT = ((1, 1, 1, 0), (0, 1, -1, -1))  # (2, 4) output transform
+
+
+def _mix(xs: list, matrix) -> list:
+    """[Σ_j matrix[i][j]·xs[j] for each row i] over arrays, as additions (no product by 0 or ±1)."""
+    out = []
+    for row in matrix:
+        terms = [x if m == 1 else -x if m == -1 else x * m for m, x in zip(row, xs) if m != 0]
+        out.append(functools.reduce(jnp.add, terms))
+    return out
+
+
+def _transform(grid: list[list], matrix) -> list[list]:
+    """M X M^T for the grid of arrays X[i][j] and the constant matrix M: a grid [a][b] of len(M)²."""
+    cols = [_mix([row[j] for row in grid], matrix) for j in range(len(grid[0]))]  # cols[j][a] = (M X)[a][j]
+    return [_mix([col[a] for col in cols], matrix) for a in range(len(matrix))]
+
+
+def _winograd_computes(lhs, rhs, window_strides, padding) -> bool:
+    """Whether `winograd` computes this call (already one `_as_matmul` takes): a float32 3×3 kernel, stride 1,
+    one pixel of padding on every side."""
+    return (rhs.shape[:2] == (3, 3) and tuple(window_strides) == (1, 1)
+            and tuple(map(tuple, padding)) == ((1, 1), (1, 1)) and lhs.dtype == rhs.dtype == jnp.float32)
+
+
+def winograd(x: jax.Array, kernel: jax.Array, precision=None, preferred_element_type=None) -> jax.Array:
+    """The 3×3 convolution, padding 1, of `x` (B, H, W, C) by `kernel` (3, 3, C, O), as Winograd F(2×2, 3×3):
+    16 matrix products of (tiles, C) by (C, O), 4 products per output pixel and channel pair instead of 9.
+    The transforms are additions (and halvings of the kernel), so the result is the convolution's to
+    float32 rounding.
+
+    An image of more than WINOGRAD_BAND pixels is computed in bands of whole rows, one band at a time
+    (`lax.map`), so that a band's transformed tiles stay in the CPU's cache."""
+    b, h, w, c = x.shape
+    u = _transform([[kernel[i, j] for j in range(3)] for i in range(3)], _G)  # 4×4 of (C, O)
+    tiles = lambda xp: _winograd_tiles(xp, u, precision, preferred_element_type)
+    rows = max(2, WINOGRAD_BAND // w // 2 * 2)  # output rows of a band, even
+    n = -(-h // rows)  # bands of an image
+    if b * h * w <= WINOGRAD_BAND or n == 1:
+        return tiles(jnp.pad(x, ((0, 0), (1, 1 + h % 2), (1, 1 + w % 2), (0, 0))))[:, :h, :w]
+    xp = jnp.pad(x, ((0, 0), (1, 1 + n * rows - h), (1, 1 + w % 2), (0, 0)))  # (B, n·rows + 2, W + 2 (+1), C)
+    band = lambda k: tiles(lax.dynamic_slice_in_dim(lax.dynamic_index_in_dim(xp, k // n), (k % n) * rows, rows + 2, axis=1))
+    out = lax.map(band, jnp.arange(b * n))  # (B·n, 1, rows, W (+1), O), image-major
+    return out.reshape(b, n * rows, *out.shape[3:])[:, :h, :w]
+
+
+WINOGRAD_BAND = 2048
+"""`winograd` computes an image of more output pixels than this in bands of about as many."""
+
+
+def _winograd_tiles(xp: jax.Array, u: list[list], precision, preferred_element_type) -> jax.Array:
+    """`winograd`'s output (B, H, W, O) for the input padded by one pixel, (B, H + 2, W + 2, C), H and W even,
+    and the kernel's transform `u`. Output block (i, j) (pixels 2i, 2i + 1 by 2j, 2j + 1) reads the 4×4
+    tile of `xp` at (2i, 2j)."""
+    b, th, tw = xp.shape[0], xp.shape[1] // 2 - 1, xp.shape[2] // 2 - 1  # output blocks down and across
+    p, c = b * th * tw, xp.shape[-1]
+    tiles = [[xp[:, i:i + 2 * th:2, j:j + 2 * tw:2].reshape(p, c) for j in range(4)] for i in range(4)]  # d[i][j]: (P, C)
+    v = _transform(tiles, _BT)  # 4×4 of (P, C)
+    m = [[products.dot_general(v[a][e], u[a][e], (((1,), (0,)), ((), ())), precision, preferred_element_type)
+          for e in range(4)] for a in range(4)]  # (P, O) each
+    y = _transform(m, _AT)  # y[r][s]: output pixel (2i + r, 2j + s) of every block, (P, O)
+    o = y[0][0].shape[-1]
+    rows = [jnp.stack([y[r][s].reshape(b, th, tw, o) for s in (0, 1)], axis=3) for r in (0, 1)]  # (B, th, tw, 2, O)
+    return jnp.stack(rows, axis=2).reshape(b, 2 * th, 2 * tw, o)  # (B, th, 2, tw, 2, O) -> (B, 2th, 2tw, O)
 
 
 def _phase_kernel(kernel: jax.Array) -> jax.Array:
@@ -132,7 +218,7 @@ def upsample_conv(x: jax.Array, kernel: jax.Array, backend: Backend) -> jax.Arra
 
 
 # module-level functions, so two models built alike have equal graph definitions (jit's cache key)
-_FUNCTIONS = {"auto": _auto, "xla": lax.conv_general_dilated, "matmul": _always}
+_FUNCTIONS = {"auto": _auto, "xla": lax.conv_general_dilated, "matmul": _always_matmul, "winograd": _always_winograd}
 
 
 def for_backend(backend: Backend):

@@ -25,8 +25,8 @@ class Compute:
 
     dtype: activations and matmuls; param_dtype: the stored weights; attention: the backend of
     `sdx.attention.dot_product_attention`; attention_chunk: query chunk for the `chunked` backend;
-    conv: the backend of every convolution (`sdx.conv`; `auto` takes matrix products where they are
-    faster on a CPU); remat: rematerialise (recompute in the backward pass) each UNet block, for training.
+    conv: the backend of every convolution (`sdx.conv`; `auto` takes matrix products, or Winograd's, where
+    they are faster on a CPU); remat: rematerialise (recompute in the backward pass) each UNet block, for training.
     """
 
     dtype: jnp.dtype = jnp.float32

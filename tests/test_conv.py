@@ -1,5 +1,6 @@
-"""sdx.conv: the matmul form of a convolution equals torch's conv2d (values and gradients), `auto` takes
-it exactly where its rule says, and calls it cannot compute fall back to XLA's convolution;
+"""sdx.conv: the matmul and Winograd forms of a convolution equal torch's conv2d (values and gradients),
+whole or in bands, `auto` takes each exactly where its rule says, and calls they cannot compute fall back
+to XLA's convolution;
 `Upsample2D` (nearest 2× then 3×3, folded by `upsample_conv` or not) equals torch's interpolate + conv2d
 on every backend, and `auto` skips the upsampled image where its rule says."""
 
@@ -64,9 +65,15 @@ def test_every_backend_is_torch_conv2d(form, backend):
     np.testing.assert_allclose(np.asarray(g_kernel), want_gk, atol=2e-5 * np.abs(want_gk).max())
 
 
-def _primitives(fn, x) -> set[str]:
-    """The names of the primitives `fn(x)` traces to."""
-    return {e.primitive.name for e in jax.make_jaxpr(fn)(x).eqns}
+def _primitives(fn, x) -> list[str]:
+    """The names of the primitives `fn(x)` traces to, those inside loops included, one per equation."""
+    def names(jaxpr):
+        out = []
+        for e in jaxpr.eqns:
+            out.append(e.primitive.name)
+            out += [n for v in e.params.values() if hasattr(v, "jaxpr") for n in names(v.jaxpr)]
+        return out
+    return names(jax.make_jaxpr(fn)(x).jaxpr)
 
 
 def test_matmul_backend_has_no_convolution():
@@ -105,11 +112,49 @@ def test_calls_the_matmul_cannot_compute_stay_convolutions():
         assert "conv_general_dilated" in _primitives(call, x), name
 
 
+def test_winograd_backend_takes_exactly_the_3x3_stride_1_padding_1_float32_calls():
+    for form, (kernel, stride, padding) in FORMS.items():
+        used = _primitives(_layer(kernel, stride, padding, "winograd"), jnp.zeros((2, 11, 13, 6)))
+        assert (used.count("dot_general"), "conv_general_dilated" in used) == ((16, False) if form == "3x3" else (0, True)), form
+    bf16 = conv(Compute(dtype=jnp.bfloat16, conv="winograd"), 6, 5, 3, rngs=nnx.Rngs(0))
+    assert "conv_general_dilated" in _primitives(bf16, jnp.zeros((2, 11, 13, 6), jnp.bfloat16))
+
+
+def test_winograd_in_bands_is_torch_conv2d(monkeypatch):
+    """An image above WINOGRAD_BAND pixels goes in bands of whole rows under `lax.map`; odd sizes, the last
+    band's padding cropped, values and gradients."""
+    monkeypatch.setattr(convlib, "WINOGRAD_BAND", 40)  # 2 rows a band: 6 bands of each 11×13 image
+    layer = _layer(3, 1, None, "winograd")
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 11, 13, 6)), jnp.float32)
+    assert "scan" in _primitives(layer, x)
+    graphdef, params = nnx.split(layer)
+    loss = lambda params, x: jnp.sin(nnx.merge(graphdef, params)(x)).sum()
+    out = layer(x)
+    g_params, g_x = jax.grad(loss, argnums=(0, 1))(params, x)
+    for got, want in zip((out, g_x, g_params["kernel"][...]), _torch_conv(layer, x, 3, 1, None)):
+        np.testing.assert_allclose(np.asarray(got), want, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="`auto` is `xla` off the CPU")
+def test_auto_takes_winograd_where_its_rule_says():
+    """On a CPU: a float32 3×3 kernel (stride 1, padding 1) with B·H·W ≥ WINOGRAD_PIXELS and at least
+    WINOGRAD_CHANNELS channels in and out."""
+    def winograd(b, h, w, c, o, dtype=jnp.float32, stride=1):
+        layer = conv(Compute(dtype=dtype), c, o, 3, stride=stride, rngs=nnx.Rngs(0))
+        return _primitives(layer, jnp.zeros((b, h, w, c), dtype)).count("dot_general") == 16
+    assert (convlib.WINOGRAD_PIXELS, convlib.WINOGRAD_CHANNELS) == (512, 256)
+    assert winograd(2, 16, 16, 256, 256)  # 512 pixels
+    assert not winograd(1, 16, 31, 256, 256)  # 496
+    assert not winograd(2, 16, 16, 255, 256) and not winograd(2, 16, 16, 256, 255)
+    assert not winograd(2, 16, 16, 256, 256, dtype=jnp.bfloat16)
+    assert not winograd(2, 32, 32, 256, 256, stride=2)  # a downsampler: 512 output pixels
+
+
 def test_models_built_alike_have_equal_graphs_and_unknown_names_are_refused():
     """The backend is a module-level function, so jit's cache (keyed on the graph) sees equal models."""
     build = lambda: nnx.graphdef(_layer(3, 1, None, "auto"))
     assert build() == build()
-    with pytest.raises(ValueError, match="conv backend 'cudnn' is not one of auto, xla, matmul"):
+    with pytest.raises(ValueError, match="conv backend 'cudnn' is not one of auto, xla, matmul, winograd"):
         convlib.for_backend("cudnn")
 
 

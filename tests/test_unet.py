@@ -112,9 +112,11 @@ def _run_both(torch_model, model, x, t, ctx, added):
 
 
 # every case with the default convolutions (on a CPU: 1×1 kernels and the smallest levels as matmuls);
-# three with every convolution as a matmul (sdx.conv), the kernels of 1, 3 and 5 and the unpadded one included
+# three with every convolution as a matmul (sdx.conv), the kernels of 1, 3 and 5 and the unpadded one included;
+# two with every 3×3 one as Winograd's
 @pytest.mark.parametrize("name, conv", [(n, "auto") for n in CASES]
-                         + [(n, "matmul") for n in ("sd1", "sdxl", "options-mid=UNetMidBlock2DCrossAttn")])
+                         + [(n, "matmul") for n in ("sd1", "sdxl", "options-mid=UNetMidBlock2DCrossAttn")]
+                         + [(n, "winograd") for n in ("sd1", "sdxl")])
 def test_parity_with_diffusers(name, conv):
     d = CASES[name]
     cfg = U.UNetConfig.from_diffusers_config(d)

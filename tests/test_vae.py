@@ -86,8 +86,10 @@ def _assert_close(name: str, got, want: np.ndarray) -> float:
     return err
 
 
-# every case with the default convolutions, two with every convolution as a matmul (sdx.conv)
-@pytest.mark.parametrize("case, conv", [(c, "auto") for c in CASES] + [(c, "matmul") for c in ("quant_convs", "three_levels_shift")])
+# every case with the default convolutions, two with every convolution as a matmul (sdx.conv), one with every
+# 3×3 one as Winograd's
+@pytest.mark.parametrize("case, conv", [(c, "auto") for c in CASES] + [(c, "matmul") for c in ("quant_convs", "three_levels_shift")]
+                         + [("quant_convs", "winograd")])
 def test_parity_with_diffusers(case, conv):
     kw, (b, h, w) = CASES[case]["kw"], CASES[case]["image"]
     tmodel = _torch_vae(kw)
