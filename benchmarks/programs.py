@@ -57,7 +57,7 @@ def run_worker(args) -> dict:
     programs = sampler.compiled(plan, inputs)
     seconds = {"prepare": [], "denoise": [], "decode": []}
     for _ in range(2):
-        (carry, fixed), s = timed(programs.prepare, sampler._prepare_params(plan.family), inputs)
+        (carry, fixed), s = timed(programs.prepare, sampler._prepare_params(plan), inputs)
         seconds["prepare"].append(s)
         for calls in programs.sizes:
             (carry, _), s = timed(programs.denoise[calls], sampler._denoise_params(plan), carry, fixed)

@@ -30,6 +30,7 @@ import numpy as np
 from pipelines.guidance import Conditioning
 from sdx.controlnet import ControlNetModel
 from sdx.errors import SdxError
+from sdx.layers import TextContext
 from sdx.unet import UNetConfig
 
 if TYPE_CHECKING:
@@ -101,6 +102,7 @@ def residuals(
     latents: jax.Array,
     timestep: jax.Array,
     cond: Conditioning,
+    texts: Sequence[TextContext],
     branches: int,
     guess_mode: bool,
     xl: bool,
@@ -109,12 +111,13 @@ def residuals(
 
     images: per ControlNet (B, H, W, C) in [0, 1]; scales: (nets,) this call's scales; latents (B, h, w, C)
     scaled for the model (no extra channels); timestep (); cond: the UNet batch's conditioning (B * branches
-    rows, image-major, the text branch last, see `pipelines.guidance`). -> residuals for B * branches rows.
+    rows, image-major, the text branch last, see `pipelines.guidance`); texts: per ControlNet, its
+    `text_context` of `cond.context`. -> residuals for B * branches rows.
     """
     text_only = guess_mode and branches > 1
     if text_only:  # the text branch's rows; the others get zeros below
         pick = lambda a: a.reshape(a.shape[0] // branches, branches, *a.shape[1:])[:, -1]  # (B*n, ...) -> (B, ...)
-        cond = jax.tree.map(pick, cond)
+        cond, texts = jax.tree.map(pick, (cond, tuple(texts)))
         x, rows = latents, lambda a: a
     else:
         x, rows = jnp.repeat(latents, branches, axis=0), lambda a: jnp.repeat(a, branches, axis=0)  # (B*n, ...)
@@ -122,7 +125,7 @@ def residuals(
     t = jnp.broadcast_to(timestep, (x.shape[0],))
     total = None
     for k, net in enumerate(nets):
-        out = net(x, t, cond.context, rows(images[k]), scales[k], added, guess_mode)
+        out = net(x, t, texts[k], rows(images[k]), scales[k], added, guess_mode)
         total = out if total is None else jax.tree.map(jnp.add, total, out)
     if text_only:
         def pad(r):  # (B, ...) -> (B * n, ...), zeros in the other branches' rows

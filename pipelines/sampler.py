@@ -1,7 +1,7 @@
 """The generation as three ahead-of-time compiled programs and a Python loop over the model calls.
 
 - prepare (text encoders, VAE encoder): token ids -> the UNet batch of conditioning the guidance lays
-  out; the initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's
+  out, with its text context projected by every attention of the UNet and ControlNets that reads it; the initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's
   image latents; inpainting's mask and masked-image latents.
 - denoise (UNet, and the ControlNets if any): `chunk` model calls (ControlNets, UNet, guidance, scheduler
   step, as a `lax.fori_loop`) from the call the scheduler state has reached; the latents and scheduler
@@ -193,7 +193,8 @@ class Fixed:
     """What every model call reads and none changes: the UNet batch's conditioning (B * branches rows),
     its context as the UNet's `text_context` (every attention's keys and values of it, projected once),
     each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, and the
-    ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`)."""
+    ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`) and their own
+    `text_context`s of the context."""
 
     cond: Conditioning
     text: TextContext
@@ -202,6 +203,7 @@ class Fixed:
     known: Known | None = None
     control: tuple[jax.Array, ...] = ()
     control_scales: jax.Array | None = None
+    control_text: tuple[TextContext, ...] = ()
 
 
 def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
@@ -234,9 +236,9 @@ def _in_turns(fn: Callable, x: jax.Array, devices: int):
 
 
 def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int) -> tuple[Carry, Fixed]:
-    """Conditioning (with the UNet's projections of its context) and initial latents. `dtype`: the UNet's
-    compute dtype, for what it reads; `devices`: the mesh's, over which the VAE encodes in turns
-    (`_in_turns`)."""
+    """Conditioning (with the UNet's and each ControlNet's projections of its context) and initial latents.
+    `dtype`: the UNet's compute dtype, for what it reads; `devices`: the mesh's, over which the VAE encodes
+    in turns (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
     fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
     encoders = {name: models[name] for name in fam.encoders}
@@ -272,8 +274,9 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     known = Known(image_latents, mask, inputs.noise) if blend else None
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
     both = plan.guidance.conditioning(cond, negative)
+    nets = [models[controlnet_name(k)] for k in range(plan.controlnets)]
     fixed = Fixed(both, models["unet"].text_context(both.context), inputs.keys, inputs.scales, known,
-                  tuple(inputs.control), inputs.control_scales)
+                  tuple(inputs.control), inputs.control_scales, tuple(net.text_context(both.context) for net in nets))
     return Carry(x, state, first_bad), fixed
 
 
@@ -304,7 +307,8 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
         res = {}
         if nets:
             down, mid = control.residuals(nets, fixed.control, fixed.control_scales[:, st.index], latents_in,
-                                          st.timestep, cond, guide.branches, plan.guess_mode, plan.family.xl)
+                                          st.timestep, cond, fixed.control_text, guide.branches, plan.guess_mode,
+                                          plan.family.xl)
             res = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
         out = guide.combine(unet(model_in, t, fixed.text, added, **res).astype(jnp.float32), fixed.scales)
         noise = None
@@ -439,17 +443,21 @@ class Sampler:
             state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
         )
 
-    def _prepare_params(self, family: Family) -> dict:
-        return {name: self.params[name] for name in ("vae", "unet", *family.encoders)}
+    def _prepare_params(self, plan: Plan) -> dict:
+        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *self._controlnets(plan))}
 
     def _denoise_params(self, plan: Plan) -> dict:
-        return {name: self.params[name] for name in ("unet", *map(controlnet_name, range(plan.controlnets)))}
+        return {name: self.params[name] for name in ("unet", *self._controlnets(plan))}
+
+    @staticmethod
+    def _controlnets(plan: Plan) -> list[str]:
+        return [controlnet_name(k) for k in range(plan.controlnets)]
 
     def _recipe(self, plan: Plan, inputs: Inputs) -> _Recipe:
         """What the plan's programs are made of, and their files (`inputs`: placed, for their shapes and
         shardings). Parameters may be abstract (`jax.ShapeDtypeStruct` with their shardings): the files are
         keyed by shapes, dtypes and shardings alone."""
-        params = self._prepare_params(plan.family)
+        params = self._prepare_params(plan)
         graphdefs = {name: self.graphdefs[name] for name in params}
         devices = self.mesh.devices.size
         prepare_fn = functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype, devices=devices)
@@ -486,7 +494,7 @@ class Sampler:
         r = self._recipe(plan, inputs)
         stored = executables.read(r.paths())
         prepare, denoise, decode = stored[0], dict(zip(r.denoise_paths, stored[1:-1])), stored[-1]
-        params = self._prepare_params(plan.family)
+        params = self._prepare_params(plan)
         if prepare is None:
             prepare = executables.compile(r.prepare_fn, params, inputs, path=r.prepare_path, compiler_options=r.options)
         carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
@@ -511,7 +519,7 @@ class Sampler:
         meshlib.check_batch(self.mesh, plan.batch)
         inputs = self.place(inputs)
         programs = self.compiled(plan, inputs)
-        carry, fixed = programs.prepare(self._prepare_params(plan.family), inputs)
+        carry, fixed = programs.prepare(self._prepare_params(plan), inputs)
         queued = []  # (index output, calls) of denoise calls not yet reported
         for calls in programs.sizes:
             carry, index = programs.denoise[calls](self._denoise_params(plan), carry, fixed)

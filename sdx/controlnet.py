@@ -147,6 +147,7 @@ class ControlNetModel(UNetEncoder):
         )
         self.controlnet_down_blocks = nnx.List([conv(cp, ch, ch, 1, rngs=rngs) for ch in config.residual_channels])
         self.controlnet_mid_block = conv(cp, c.block_out_channels[-1], c.block_out_channels[-1], 1, rngs=rngs)
+        self._name_text_readers()
 
     @property
     def unet_config(self) -> UNetConfig:
@@ -173,7 +174,7 @@ class ControlNetModel(UNetEncoder):
         guess_mode: bool = False,
     ) -> tuple[tuple[jax.Array, ...], jax.Array]:
         """diffusers' ControlNetModel.forward. sample (B, h, w, C_in) latents; timesteps () or (B,);
-        encoder_hidden_states (B, S, D); controlnet_cond (B or 1, f*h, f*w, C_img) the conditioning image
+        encoder_hidden_states (B, S, D), or this model's `text_context` of it; controlnet_cond (B or 1, f*h, f*w, C_img) the conditioning image
         in [0, 1] (f = `config.downscale_factor`, 8), RGB (a "bgr" ControlNet flips it itself);
         conditioning_scale a number or a () array (traced is fine) multiplying every residual; added_cond
         as the UNet's for SDXL; guess_mode (static): the residuals are also scaled from 0.1 (first) to 1

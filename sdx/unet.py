@@ -429,6 +429,21 @@ class UNetEncoder(nnx.Module):
         self-attention of `only_cross_attention`."""
         return [(path, m) for path, m in nnx.iter_graph(self) if isinstance(m, Attention) and m.reads_context]
 
+    def _name_text_readers(self) -> None:
+        """Key each attention that reads the text by its path, diffusers' module name (a subclass calls it
+        once all its modules exist)."""
+        for path, attention in self._reading_text():
+            attention.key = ".".join(map(str, path))
+
+    def text_context(self, encoder_hidden_states: jax.Array) -> TextContext:
+        """encoder_hidden_states (B, S, D) with the keys and values of every attention that reads it
+        projected, for calls that read the same text: a sampler makes them once per image instead of once
+        per step (SDXL's 140 projections from 2,048 features; on a 2-core CPU at 256² a UNet call took
+        5.16-5.18 s with them, 4.13-4.62 s without). `__call__` takes it in place of the array, with the
+        same result; only this model's `__call__` does (a ControlNet has its own)."""
+        states = encoder_hidden_states
+        return TextContext(states, {m.key: m.keys_values(states) for _, m in self._reading_text()})
+
     def _check_inputs(self, sample, encoder_hidden_states) -> int:
         """The batch size, after checking the sample's layout and the context's width (and that a
         `TextContext` holds this model's attentions)."""
@@ -526,17 +541,7 @@ class UNet2DConditionModel(UNetEncoder):
         self.up_blocks = nnx.List([UpBlock2D(cp, c, i, rngs=rngs) for i in range(c.levels)])
         self.conv_norm_out = GroupNorm(cp, boc[0], c.norm_num_groups, c.norm_eps, rngs=rngs)
         self.conv_out = conv(cp, boc[0], c.out_channels, c.conv_out_kernel, rngs=rngs)
-        for path, attention in self._reading_text():  # keyed by its path, diffusers' module name
-            attention.key = ".".join(map(str, path))
-
-    def text_context(self, encoder_hidden_states: jax.Array) -> TextContext:
-        """encoder_hidden_states (B, S, D) with the keys and values of every attention that reads it
-        projected, for calls that read the same text: a sampler makes them once per image instead of once
-        per step (SDXL's 140 projections from 2,048 features; on a 2-core CPU at 256² a UNet call took
-        5.16-5.18 s with them, 4.13-4.62 s without). `__call__` takes it in place of the array, with the
-        same result."""
-        states = encoder_hidden_states
-        return TextContext(states, {m.key: m.keys_values(states) for _, m in self._reading_text()})
+        self._name_text_readers()
 
     def __call__(
         self,

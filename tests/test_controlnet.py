@@ -102,11 +102,14 @@ def test_parity_with_diffusers(name, tmp_path):
     torch_model.save_pretrained(tmp_path)
     model = load_controlnet(tmp_path)
     x, t, ctx, image, added = _controlnet_inputs(model.config)
-    # one program for every guess mode (XLA shares what they have in common); the scale is traced
-    outputs = nnx.jit(lambda m, s, *a: [m(*a, s, added, guess) for guess in guess_modes])(
-        model, jnp.float32(scale), _nhwc(x), jnp.asarray(t), jnp.asarray(ctx), _nhwc(image)
-    )
-    for guess, (down, mid) in zip(guess_modes, outputs):
+    # one program for every guess mode (XLA shares what they have in common); the scale is traced; the first
+    # guess mode also as a sampler's steps call it, reading the ControlNet's `text_context`
+    def run(m, s, x, t, ctx, image):
+        text = m.text_context(ctx)
+        return ([m(x, t, ctx, image, s, added, guess) for guess in guess_modes]
+                + [m(x, t, text, image, s, added, guess_modes[0])])
+    outputs = nnx.jit(run)(model, jnp.float32(scale), _nhwc(x), jnp.asarray(t), jnp.asarray(ctx), _nhwc(image))
+    for guess, (down, mid) in zip([*guess_modes, guess_modes[0]], outputs):
         with torch.no_grad():
             down_ref, mid_ref = torch_model(
                 torch.from_numpy(x), torch.from_numpy(t), torch.from_numpy(ctx), torch.from_numpy(image),

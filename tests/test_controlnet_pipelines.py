@@ -12,11 +12,20 @@ img2img and inpainting draw their VAE posteriors as in test_pipelines.py / test_
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from PIL import Image, ImageDraw
 
+from convert.library import ensure_sdx_folder
+from pipelines.control import Control
+from pipelines.pipeline import Pipeline
+from pipelines.request import Request
+from pipelines.sampler import controlnet_name
+from sdx import mesh as meshlib
+from sdx.layers import Attention
 from sdx.sample import main
 from tests.test_inpaint import mask_file
 from tests.test_pipelines import (  # noqa: F401 (tiny: the fixture)
@@ -228,3 +237,21 @@ def test_bad_requests_are_one_error(tiny, controlnet, tmp_path, capsys, model, a
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_each_model_call_reads_the_projections_prepare_made(tiny, controlnet, tmp_path, monkeypatch):
+    """The ControlNet, like the UNet, reads its `text_context`, made once by the prepare program: tracing a
+    run projects the text (77 tokens) once for each attention of either model that reads it, never in the
+    denoise program."""
+    _, folder = tiny("sd15")
+    _, net_folder = controlnet("sd15")
+    pipe = Pipeline.load(ensure_sdx_folder(folder, cache_dir=tmp_path), controlnets=(str(net_folder),),
+                         mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    projected = []
+    keys_values = Attention.keys_values
+    monkeypatch.setattr(Attention, "keys_values", lambda m, ctx: projected.append(ctx.shape[1]) or keys_values(m, ctx))
+    pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=3, guidance_scale=5.0,
+                 controls=[Control(np.zeros((1, 32, 32, 3), np.float32))]))
+    readers = [m for model in (pipe.sampler.models["unet"], pipe.sampler.models[controlnet_name(0)])
+               for _, m in nnx.iter_graph(model) if isinstance(m, Attention) and m.reads_context]
+    assert projected.count(77) == len(readers) > 0

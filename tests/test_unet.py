@@ -140,6 +140,7 @@ def test_parity_with_diffusers(name, conv):
 
 
 def test_text_context_holds_every_attention_reading_the_text_and_only_its_model_takes_it():
+    """A UNet's and a ControlNet's: each refuses the other's."""
     d = CASES["options-mid=UNetMidBlock2DCrossAttn"]  # only_cross_attention on the first level: attn1 reads it too
     cfg = U.UNetConfig.from_diffusers_config(d)
     model = U.UNet2DConditionModel(cfg, rngs=nnx.Rngs(0))
@@ -158,6 +159,10 @@ def test_text_context_holds_every_attention_reading_the_text_and_only_its_model_
     net = ControlNetModel(ControlNetConfig(unet=dataclasses.replace(cfg, center_input_sample=False)), rngs=nnx.Rngs(0))
     with pytest.raises(SdxError, match="controlnet: this TextContext was not made by this model's text_context"):
         net(sample, jnp.asarray(t), text, jnp.zeros((2, 64, 64, 3)))
+    net_text = net.text_context(jnp.asarray(ctx))  # the encoder half's: the same paths, the up blocks' left out
+    assert set(net_text.kv) == {k for k in text.kv if not k.startswith("up_blocks.")} != set(text.kv)
+    with pytest.raises(SdxError, match="unet: this TextContext was not made by this model's text_context"):
+        model(sample, jnp.asarray(t), net_text)
 
 
 def test_scalar_timestep_and_bfloat16_compute():
