@@ -1,8 +1,9 @@
 """The generation as three ahead-of-time compiled programs and a Python loop over the model calls.
 
 - prepare (text encoders, VAE encoder): token ids -> the UNet batch of conditioning the guidance lays
-  out, with its text context projected by every attention of the UNet and ControlNets that reads it; the initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's
-  image latents; inpainting's mask and masked-image latents.
+  out, its text context projected by every attention of the UNet and the ControlNets that reads it; the
+  initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's image
+  latents; inpainting's mask and masked-image latents.
 - denoise (UNet, and the ControlNets if any): `chunk` model calls (ControlNets, UNet, guidance, scheduler
   step, as a `lax.fori_loop`) from the call the scheduler state has reached; the latents and scheduler
   state are donated from one call to the next.

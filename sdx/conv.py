@@ -7,9 +7,9 @@ Every `sdx.layers.conv` (NHWC inputs, HWIO kernels) calls `for_backend(Compute.c
 - `matmul`: every convolution without dilation or groups as one matrix product: a 1×1 kernel
   multiplies the pixels by the kernel directly; a k×k kernel first gathers each output pixel's k·k
   input pixels side by side (its patch, (B·Ho·Wo, k·k·C)) and multiplies that by the (k·k·C, O) kernel.
-- `winograd`: every float32 3×3 convolution with stride 1 and one pixel of padding (all but the
-  UNet's and VAE's first and last and the downsamplers) as Winograd F(2×2, 3×3) (`winograd`): 16
-  matrix products with 4 products per output pixel and channel pair instead of 9; `xla` for the rest.
+- `winograd`: every float32 3×3 convolution with stride 1 and one pixel of padding (every 3×3 one of
+  the models but the downsamplers') as Winograd F(2×2, 3×3) (`winograd`): 16 matrix products with 4
+  products per output pixel and channel pair instead of 9; `xla` for the rest.
 - `auto` (the default): on a CPU, 3×3 kernels as `winograd` where `WINOGRAD_PIXELS` and
   `WINOGRAD_CHANNELS` say; then 1×1 kernels as `matmul` always, and larger kernels as `matmul` when
   the patch matrix has no more rows than the input has channels (B·Ho·Wo ≤ C); `xla` otherwise and on
@@ -17,7 +17,7 @@ Every `sdx.layers.conv` (NHWC inputs, HWIO kernels) calls `for_backend(Compute.c
   low-resolution levels (8×8 latents, 1,280 channels) it reaches a third of the matmul rate; there
   the patches cost little to gather (benchmarks/README.md: SD 1.5's UNet call at 256², 2.99 s → 2.06 s).
   At high resolution gathering the patches costs more than it saves, and there Winograd's products
-  take the work (SD 1.5's VAE decode at 256², 2.93 → 2.25 s).
+  take the work (SD 1.5's VAE decode at 256², 2.90 → 2.32 s).
 
 `upsample_conv` is the 3×3 convolution of a nearest-neighbour 2× upsampled image computed on the image
 before upsampling, with 2.25× fewer products; every `Upsample2D` takes it under `auto` on a CPU where
@@ -80,11 +80,11 @@ def _call(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=Non
                   feature_group_count, **kw):
         kh, kw_, c, o = rhs.shape
         ho, wo = _out_size(lhs, rhs, window_strides, padding)
-        cpu = jax.default_backend() == "cpu"
+        cpu, pixels = jax.default_backend() == "cpu", lhs.shape[0] * ho * wo
         if form != "matmul" and _winograd_computes(lhs, rhs, window_strides, padding) and (
-                form == "winograd" or (cpu and lhs.shape[0] * ho * wo >= WINOGRAD_PIXELS and min(c, o) >= WINOGRAD_CHANNELS)):
+                form == "winograd" or (cpu and pixels >= WINOGRAD_PIXELS and min(c, o) >= WINOGRAD_CHANNELS)):
             return winograd(lhs, rhs, precision, preferred_element_type)
-        if form == "matmul" or (form == "auto" and cpu and (kh * kw_ == 1 or lhs.shape[0] * ho * wo <= c)):
+        if form == "matmul" or (form == "auto" and cpu and (kh * kw_ == 1 or pixels <= c)):
             return _matmul(lhs, rhs, window_strides, padding, (ho, wo), precision, preferred_element_type)
     return lax.conv_general_dilated(
         lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
@@ -140,8 +140,9 @@ def winograd(x: jax.Array, kernel: jax.Array, precision=None, preferred_element_
     The transforms are additions (and halvings of the kernel), so the result is the convolution's to
     float32 rounding.
 
-    An image of more than WINOGRAD_BAND pixels is computed in bands of whole rows, one band at a time
-    (`lax.map`), so that a band's transformed tiles stay in the CPU's cache."""
+    A batch of more than WINOGRAD_BAND output pixels is computed in bands of about that many, whole rows of
+    one image each, one band at a time (`lax.map`), so that a band's transformed tiles stay in the CPU's
+    cache."""
     b, h, w, c = x.shape
     u = _transform([[kernel[i, j] for j in range(3)] for i in range(3)], _G)  # 4×4 of (C, O)
     tiles = lambda xp: _winograd_tiles(xp, u, precision, preferred_element_type)
@@ -150,13 +151,14 @@ def winograd(x: jax.Array, kernel: jax.Array, precision=None, preferred_element_
     if b * h * w <= WINOGRAD_BAND or n == 1:
         return tiles(jnp.pad(x, ((0, 0), (1, 1 + h % 2), (1, 1 + w % 2), (0, 0))))[:, :h, :w]
     xp = jnp.pad(x, ((0, 0), (1, 1 + n * rows - h), (1, 1 + w % 2), (0, 0)))  # (B, n·rows + 2, W + 2 (+1), C)
-    band = lambda k: tiles(lax.dynamic_slice_in_dim(lax.dynamic_index_in_dim(xp, k // n), (k % n) * rows, rows + 2, axis=1))
-    out = lax.map(band, jnp.arange(b * n))  # (B·n, 1, rows, W (+1), O), image-major
+    band = lambda k: lax.dynamic_slice_in_dim(lax.dynamic_index_in_dim(xp, k // n), (k % n) * rows, rows + 2, axis=1)
+    out = lax.map(lambda k: tiles(band(k)), jnp.arange(b * n))  # (B·n, 1, rows, W (+1), O), image-major
     return out.reshape(b, n * rows, *out.shape[3:])[:, :h, :w]
 
 
 WINOGRAD_BAND = 2048
-"""`winograd` computes an image of more output pixels than this in bands of about as many."""
+"""`winograd` computes a batch of more output pixels than this in bands of about as many (benchmarks/README.md:
+the VAE decoder's 256²×256→256 403 ms whole, 288-310 ms in bands of 1,024-4,096 pixels)."""
 
 
 def _winograd_tiles(xp: jax.Array, u: list[list], precision, preferred_element_type) -> jax.Array:
@@ -165,7 +167,8 @@ def _winograd_tiles(xp: jax.Array, u: list[list], precision, preferred_element_t
     tile of `xp` at (2i, 2j)."""
     b, th, tw = xp.shape[0], xp.shape[1] // 2 - 1, xp.shape[2] // 2 - 1  # output blocks down and across
     p, c = b * th * tw, xp.shape[-1]
-    tiles = [[xp[:, i:i + 2 * th:2, j:j + 2 * tw:2].reshape(p, c) for j in range(4)] for i in range(4)]  # d[i][j]: (P, C)
+    # d[i][j]: pixel (i, j) of every 4×4 tile, (P, C)
+    tiles = [[xp[:, i:i + 2 * th:2, j:j + 2 * tw:2].reshape(p, c) for j in range(4)] for i in range(4)]
     v = _transform(tiles, _BT)  # 4×4 of (P, C)
     m = [[products.dot_general(v[a][e], u[a][e], (((1,), (0,)), ((), ())), precision, preferred_element_type)
           for e in range(4)] for a in range(4)]  # (P, O) each
