@@ -93,9 +93,18 @@ def _call(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=Non
     )
 
 
-_auto = functools.partial(_call, form="auto")
-_always_matmul = functools.partial(_call, form="matmul")
-_always_winograd = functools.partial(_call, form="winograd")
+# plain module-level functions: a model's graph definition holds one, and must compare equal to itself read
+# back (`pipelines.executables` keeps abstract models), which a `functools.partial` does not
+def _auto(*args, **kw):
+    return _call(*args, form="auto", **kw)
+
+
+def _always_matmul(*args, **kw):
+    return _call(*args, form="matmul", **kw)
+
+
+def _always_winograd(*args, **kw):
+    return _call(*args, form="winograd", **kw)
 
 
 WINOGRAD_PIXELS = 512
