@@ -174,8 +174,9 @@ class ControlNetModel(UNetEncoder):
         guess_mode: bool = False,
     ) -> tuple[tuple[jax.Array, ...], jax.Array]:
         """diffusers' ControlNetModel.forward. sample (B, h, w, C_in) latents; timesteps () or (B,);
-        encoder_hidden_states (B, S, D), or this model's `text_context` of it; controlnet_cond (B or 1, f*h, f*w, C_img) the conditioning image
-        in [0, 1] (f = `config.downscale_factor`, 8), RGB (a "bgr" ControlNet flips it itself);
+        encoder_hidden_states (B, S, D), or this model's `text_context` of it; controlnet_cond (B or 1, f*h,
+        f*w, C_img) the conditioning image in [0, 1] (f = `config.downscale_factor`, 8), RGB (a "bgr"
+        ControlNet flips it itself);
         conditioning_scale a number or a () array (traced is fine) multiplying every residual; added_cond
         as the UNet's for SDXL; guess_mode (static): the residuals are also scaled from 0.1 (first) to 1
         (mid) on a log scale, diffusers' `torch.logspace(-1, 0, n + 1)` (not with global_pool_conditions,
