@@ -84,6 +84,11 @@ def controlnet_name(k: int) -> str:
     return f"controlnet_{k}"
 
 
+def _controlnet_names(plan: Plan) -> list[str]:
+    """The `Sampler.models` keys of the plan's ControlNets, in order."""
+    return [controlnet_name(k) for k in range(plan.controlnets)]
+
+
 class Stream(enum.IntEnum):
     """The `fold_in` constant of each draw taken from an image's key (its initial noise is the key's own)."""
 
@@ -275,7 +280,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     known = Known(image_latents, mask, inputs.noise) if blend else None
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
     both = plan.guidance.conditioning(cond, negative)
-    nets = [models[controlnet_name(k)] for k in range(plan.controlnets)]
+    nets = [models[name] for name in _controlnet_names(plan)]
     fixed = Fixed(both, models["unet"].text_context(both.context), inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales, tuple(net.text_context(both.context) for net in nets))
     return Carry(x, state, first_bad), fixed
@@ -295,7 +300,7 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
     output the driver waits on to report progress (the carry itself is donated to the next call).
     graphdefs/params: {"unet", the plan's ControlNets `controlnet_name(k)`}."""
     unet = nnx.merge(graphdefs["unet"], params["unet"])
-    nets = [nnx.merge(graphdefs[controlnet_name(k)], params[controlnet_name(k)]) for k in range(plan.controlnets)]
+    nets = [nnx.merge(graphdefs[name], params[name]) for name in _controlnet_names(plan)]
     sched, guide, cond = plan.scheduler, plan.guidance, fixed.cond
     added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if plan.family.xl else None
 
@@ -445,14 +450,10 @@ class Sampler:
         )
 
     def _prepare_params(self, plan: Plan) -> dict:
-        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *self._controlnets(plan))}
+        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *_controlnet_names(plan))}
 
     def _denoise_params(self, plan: Plan) -> dict:
-        return {name: self.params[name] for name in ("unet", *self._controlnets(plan))}
-
-    @staticmethod
-    def _controlnets(plan: Plan) -> list[str]:
-        return [controlnet_name(k) for k in range(plan.controlnets)]
+        return {name: self.params[name] for name in ("unet", *_controlnet_names(plan))}
 
     def _recipe(self, plan: Plan, inputs: Inputs) -> _Recipe:
         """What the plan's programs are made of, and their files (`inputs`: placed, for their shapes and

@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from PIL import Image, ImageDraw
 
 from convert.library import ensure_sdx_folder
@@ -253,5 +252,5 @@ def test_each_model_call_reads_the_projections_prepare_made(tiny, controlnet, tm
     pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=3, guidance_scale=5.0,
                  controls=[Control(np.zeros((1, 32, 32, 3), np.float32))]))
     readers = [m for model in (pipe.sampler.models["unet"], pipe.sampler.models[controlnet_name(0)])
-               for _, m in nnx.iter_graph(model) if isinstance(m, Attention) and m.reads_context]
+               for _, m in model._reading_text()]
     assert projected.count(77) == len(readers) > 0
