@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sdx import images, io
-from sdx.errors import ArgumentParser, SdxError, run_command
+from sdx.errors import ArgumentParser, SdxError, exit_without_teardown, run_command
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -569,4 +569,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

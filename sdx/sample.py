@@ -12,7 +12,8 @@ name users type keeps working. A `runpy` hand-over would do the same for `-m` bu
 from __future__ import annotations
 
 import importlib
-import sys
+
+from sdx.errors import exit_without_teardown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,4 +22,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -91,6 +91,7 @@ def test_a_run_killed_midway_continues_where_it_stopped(prompts, reference, demo
     assert again.returncode == 0, again.stderr
     skipped = int(again.stderr.split(" of ")[0].split()[-1])
     assert skipped >= first and f"{skipped} of {LINES} prompts are already written" in again.stderr
+    assert "images/s" in again.stderr  # the last line, printed just before the command leaves without teardown
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [f"{i:05d}.png" for i in range(LINES)]
     for i in range(LINES):
         np.testing.assert_array_equal(_pixels(out / f"{i:05d}.png"), _pixels(reference / f"{i:05d}.png"))
