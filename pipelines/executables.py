@@ -93,14 +93,19 @@ def read(paths: list[Path | None | str]) -> list[jax.stages.Compiled | None]:
 
 
 def prefetch(paths: list[Path | None | str]) -> None:
-    """Start reading the executables stored in `paths` (those that exist) in background threads; `read` and
-    `compile` then take them from there instead of reading again. For keys known before the arguments
-    exist: `Pipeline.load` computes its first request's from the abstract models and loads the weights
-    meanwhile. A prefetched program no one asks for stays in memory until the process ends."""
+    """Start reading the executables stored in `paths` (those that exist), one after another in a background
+    thread; `read` and `compile` then take them from there instead of reading again. For keys known before
+    the arguments exist: `Pipeline.load` computes its first request's from the abstract models and loads the
+    weights meanwhile. A prefetched program no one asks for stays in memory until the process ends.
+
+    One at a time, unlike `read`: while XLA reads a program it holds about as much memory again as the
+    program keeps (SDXL's UNet step: 0.25 GiB), and SDXL's three read at once, the weights loaded beside
+    them, were a warm `python -m sdx.sample`'s peak (13.92 GiB RSS, 13.66 read one by one; 2-core CPU,
+    benchmarks/README.md). The load keeps the other core busy, so one thread is done as early."""
     todo = [p for p in paths if isinstance(p, Path) and p not in _PREFETCHED and p.is_file()]
     if not todo:
         return
-    pool = ThreadPoolExecutor(max_workers=len(todo))
+    pool = ThreadPoolExecutor(max_workers=1)
     for path in todo:
         _PREFETCHED[path] = pool.submit(_read_file, path)
     pool.shutdown(wait=False)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,33 @@ def test_programs_read_side_by_side_and_keys_named_after_another(kept):
     a, b, missing, none = executables.read([made, after, kept / "absent", None])
     assert missing is None and none is None and len(traced) == 0
     np.testing.assert_array_equal(b(x, a(x, x)), x + x * 2.0 + x * 1.0)
+
+
+def test_prefetched_programs_are_read_one_at_a_time_and_taken_by_read(kept, monkeypatch):
+    """`prefetch` reads in one background thread (reading a program holds about its size again: several at
+    once while the weights load were a warm start's peak memory); `read` then takes each read, not read again."""
+    x = jnp.ones((2, 2))
+    paths = []
+    for k in range(3):
+        fn = functools.partial(_affine, scale=float(k + 1), shift=0.0)
+        paths.append(executables.path_of(fn, (x, x), {}))
+        executables.compile(fn, x, x)
+    active, most, calls, read_file = [0], [0], [], executables._read_file
+
+    def counted(path):
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        calls.append(path)
+        time.sleep(0.05)  # long enough for a second reader, were there one, to start meanwhile
+        active[0] -= 1
+        return read_file(path)
+
+    monkeypatch.setattr(executables, "_read_file", counted)
+    executables.prefetch(paths)
+    loaded = executables.read(paths)
+    assert most[0] == 1 and sorted(calls) == sorted(paths) and not executables._PREFETCHED
+    for k, program in enumerate(loaded):
+        np.testing.assert_array_equal(program(x, x), x + x * (k + 1.0))
 
 
 def test_a_damaged_file_is_compiled_again_and_replaced(kept):
