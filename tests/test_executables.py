@@ -297,9 +297,9 @@ def test_an_abstract_model_is_kept_keyed_by_its_compute_and_built_again_from_a_d
     assert nnx.graphdef(again) == nnx.graphdef(built) and path.read_bytes() != b"damaged"
 
 
-def test_a_graph_definition_is_put_in_text_once_per_object(monkeypatch):
-    """Several programs' keys hold one model's graph definition: its text is made once, and an equal
-    definition of another model built alike gets the same text."""
+def test_a_graph_definition_is_put_in_text_once_per_value(monkeypatch):
+    """Several programs' keys hold one model's graph definition, and a model built alike has an equal one:
+    their text is made once; a definition that differs gets its own."""
     kind = MODEL_KINDS["vae"]
     config = kind.config_from_diffusers(presets.get("tiny").configs["vae"])
     first, second = (nnx.graphdef(kind.abstract(config, Compute())) for _ in range(2))
@@ -309,4 +309,6 @@ def test_a_graph_definition_is_put_in_text_once_per_object(monkeypatch):
     monkeypatch.setattr(executables, "_dataclass_text", lambda x: made.append(type(x)) or make(x))
     texts = [executables._text(g) for g in (first, first, second, first)]
     assert len(set(texts)) == 1
-    assert made.count(nnx.GraphDef) == 2
+    assert made.count(nnx.GraphDef) == 1
+    other = nnx.graphdef(kind.abstract(dataclasses.replace(config, latent_channels=config.latent_channels + 1), Compute()))
+    assert executables._text(other) != texts[0] and made.count(nnx.GraphDef) == 2
