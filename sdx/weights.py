@@ -171,10 +171,11 @@ def where_of(tensors: Mapping[str, np.ndarray], default: str) -> str:
 # Materialising
 
 
-def _read(value: np.ndarray, dtype, target: jax.sharding.Sharding | None, table: bool = False) -> np.ndarray:
+def _read(value: np.ndarray, dtype, target: jax.sharding.Sharding | None, on_use: bool = False) -> np.ndarray:
     """The host side of `_place`, run in a reader thread: for a CPU, a view into the file the CPU can use in
-    place (`io.in_place`), its pages read in unless it is an embedding `table` (a few rows are gathered from
-    it: SDXL's two token tables are 0.4 GB of pages a generation never touches); else `value` read and cast
+    place (`io.in_place`), its pages read in unless they are to be mapped `on_use` (an embedding table, of
+    which a generation gathers a few rows: SDXL's two token tables are 0.4 GB of pages it never touches; a
+    model's `MAPPED_ON_USE` parameters); else `value` read and cast
     (`io.host_copy`: aligned, so a CPU keeps it as the device buffer); `value` itself for a sharded target
     (each device reads its slice)."""
     if target is not None and not target.is_fully_replicated:
@@ -182,7 +183,7 @@ def _read(value: np.ndarray, dtype, target: jax.sharding.Sharding | None, table:
     devices = target.device_set if target is not None else {jax.devices()[0]}
     if (isinstance(value, np.ndarray) and value.dtype == np.dtype(dtype) and io.in_place(value)
             and all(d.platform == "cpu" for d in devices)):
-        if not table:
+        if not on_use:
             io.populate(value)
         return value
     return io.host_copy(value, dtype)
@@ -215,7 +216,7 @@ def materialize(
         if isinstance(var.get_value(), jax.ShapeDtypeStruct):
             key = ".".join(map(str, path))
             raise SdxError(f"model state {key} is not a parameter and has no value; it cannot be materialised")
-    todo = []
+    todo, on_use = [], getattr(model, "MAPPED_ON_USE", ())
     for path, var in nnx.to_flat_state(params):
         key = ".".join(map(str, path))
         if key not in arrays:
@@ -223,7 +224,7 @@ def materialize(
         value = arrays[key]
         todo.append((path, var, value, dtype or var.get_value().dtype, _target(sharding, key, tuple(value.shape))))
     with ThreadPoolExecutor(READERS) as pool:
-        hosts = pool.map(lambda job: _read(*job[2:], table=job[0][-1] == "embedding"), todo)  # nnx.Embed's
+        hosts = pool.map(lambda job: _read(*job[2:], on_use=job[0][-1] == "embedding" or job[0][0] in on_use), todo)
         flat = [(path, var.replace(_place(host, dtype, target)))
                 for (path, var, _, dtype, target), host in zip(todo, hosts)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)

@@ -388,10 +388,33 @@ def test_a_tensor_used_in_place_is_read_in_unless_it_is_an_embedding_table(tmp_p
     path, _ = _big_file(tmp_path)
     arrays = io.read_safetensors(path)
     before = _file_pages()
-    assert weights._read(arrays["a"], np.float32, None, table=True) is arrays["a"]
+    assert weights._read(arrays["a"], np.float32, None, on_use=True) is arrays["a"]
     assert _file_pages() - before < 2 * 2**20
     assert weights._read(arrays["b"], np.float32, None) is arrays["b"]
     assert _file_pages() - before > 30 * 2**20
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="tensors are used in place on a CPU only")
+def test_loading_a_vae_reads_in_the_decoder_s_pages_and_maps_the_encoder_s_on_use(tmp_path, monkeypatch):
+    """Text-to-image never runs the VAE's encoder (`AutoencoderKL.MAPPED_ON_USE`): its parameters are used in
+    place like the rest, their pages left to be mapped on first use; the decoder's are read in. Encoding and
+    decoding then give what the model they came from gives."""
+    from sdx.vae import AutoencoderKL, VAEConfig
+
+    config = VAEConfig.from_diffusers_config(presets.get("tiny").configs["vae"])
+    live = AutoencoderKL(config, rngs=nnx.Rngs(0))
+    flat = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(live, nnx.Param))}
+    io.write_safetensors(tmp_path / "vae.safetensors", flat)
+    arrays = io.read_safetensors(tmp_path / "vae.safetensors")
+    populated, populate = [], io.populate
+    monkeypatch.setattr(io, "populate", lambda a: (populated.append(a.ctypes.data), populate(a)))
+    loaded = weights.materialize(nnx.eval_shape(lambda: AutoencoderKL(config, rngs=nnx.Rngs(0))), arrays)
+    read_in = {k for k, a in arrays.items() if a.ctypes.data in populated}
+    assert read_in and all(k.startswith(("decoder.", "post_quant_conv.")) for k in read_in), sorted(read_in)
+    assert any(io.in_place(arrays[k]) for k in flat if k.startswith(AutoencoderKL.MAPPED_ON_USE))  # used in place
+    image = jax.random.uniform(jax.random.key(1), (1, 16, 16, 3), minval=-1.0, maxval=1.0)
+    np.testing.assert_array_equal(loaded.encode(image).mean, live.encode(image).mean)
+    np.testing.assert_array_equal(loaded.decode(live.encode(image).mean), live.decode(live.encode(image).mean))
 
 
 def test_a_file_replaced_while_loading_is_refused(tmp_path):
