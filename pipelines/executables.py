@@ -93,25 +93,26 @@ def read(paths: list[Path | None | str]) -> list[jax.stages.Compiled | None]:
 
 
 def prefetch(paths: list[Path | None | str]) -> None:
-    """Start reading the executables stored in `paths` (those that exist), one after another in a background
-    thread; `read` and `compile` then take them from there instead of reading again. For keys known before
+    """Start reading the executables stored in `paths` (those that exist) in the background, `PREFETCH_READERS`
+    at a time; `read` and `compile` then take them from there instead of reading again. For keys known before
     the arguments exist: `Pipeline.load` computes its first request's from the abstract models and loads the
-    weights meanwhile. A prefetched program no one asks for stays in memory until the process ends.
-
-    One at a time, unlike `read`: while XLA reads a program it holds about as much memory again as the
-    program keeps (SDXL's UNet step: 0.25 GiB), and SDXL's three read at once, the weights loaded beside
-    them, were a warm `python -m sdx.sample`'s peak (13.92 GiB RSS, 13.66 read one by one; 2-core CPU,
-    benchmarks/README.md). The load keeps the other core busy, so one thread is done as early."""
+    weights meanwhile. A prefetched program no one asks for stays in memory until the process ends."""
     todo = [p for p in paths if isinstance(p, Path) and p not in _PREFETCHED and p.is_file()]
     if not todo:
         return
-    pool = ThreadPoolExecutor(max_workers=1)
+    pool = ThreadPoolExecutor(max_workers=PREFETCH_READERS)
     for path in todo:
         _PREFETCHED[path] = pool.submit(_read_file, path)
     pool.shutdown(wait=False)
 
 
 _PREFETCHED: dict[Path, Future] = {}  # `prefetch`'s reads, until `_read` takes them
+PREFETCH_READERS = 2
+"""Programs `prefetch` reads at once. While XLA reads a program it holds about as much memory again as the
+program keeps (SDXL's UNet step keeps 0.25 GiB), and SDXL's three read at once beside the loading weights
+were a warm `python -m sdx.sample`'s peak: 13.92 GiB RSS, 13.66 read one at a time. With the VAE's encoder
+left unmapped (`AutoencoderKL.MAPPED_ON_USE`): 13.53 one at a time, 13.60 two at a time; one at a time made
+the programs ready 1-1.3 s later, two as early as three (2-core CPU, benchmarks/README.md)."""
 
 
 def _read(path: Path | None | str) -> jax.stages.Compiled | None:

@@ -174,12 +174,12 @@ def test_programs_read_side_by_side_and_keys_named_after_another(kept):
     np.testing.assert_array_equal(b(x, a(x, x)), x + x * 2.0 + x * 1.0)
 
 
-def test_prefetched_programs_are_read_one_at_a_time_and_taken_by_read(kept, monkeypatch):
-    """`prefetch` reads in one background thread (reading a program holds about its size again: several at
-    once while the weights load were a warm start's peak memory); `read` then takes each read, not read again."""
+def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_read(kept, monkeypatch):
+    """`prefetch` reads at most PREFETCH_READERS programs at once (reading one holds about its size again: all
+    at once while the weights load were a warm start's peak memory); `read` takes each read, not read again."""
     x = jnp.ones((2, 2))
     paths = []
-    for k in range(3):
+    for k in range(executables.PREFETCH_READERS + 2):
         fn = functools.partial(_affine, scale=float(k + 1), shift=0.0)
         paths.append(executables.path_of(fn, (x, x), {}))
         executables.compile(fn, x, x)
@@ -196,7 +196,7 @@ def test_prefetched_programs_are_read_one_at_a_time_and_taken_by_read(kept, monk
     monkeypatch.setattr(executables, "_read_file", counted)
     executables.prefetch(paths)
     loaded = executables.read(paths)
-    assert most[0] == 1 and sorted(calls) == sorted(paths) and not executables._PREFETCHED
+    assert most[0] == executables.PREFETCH_READERS and sorted(calls) == sorted(paths) and not executables._PREFETCHED
     for k, program in enumerate(loaded):
         np.testing.assert_array_equal(program(x, x), x + x * (k + 1.0))
 
