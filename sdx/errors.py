@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 EXIT_USAGE = 2
 
@@ -42,10 +43,10 @@ def run_command(body: Callable[[], int | None]) -> int:
         return EXIT_USAGE
 
 
-def exit_without_teardown(status: int) -> None:
+def exit_without_teardown(status: int) -> NoReturn:
     """End a finished sampling command with `status`, its output flushed, without the interpreter's teardown:
     that frees every array, compiled program and mapped weight file one object at a time (SDXL in float32:
-    0.7 s of a 31 s warm `python -m sdx.sample` on a 2-core CPU, benchmarks/README.md), where the kernel
+    0.6 s of a 31 s warm `python -m sdx.sample` on a 2-core CPU, benchmarks/README.md), where the kernel
     frees a process's memory at once. Only for a command whose every write is done and closed when it
     returns (the sampler writes each image atomically before it goes on); training, whose checkpoints
     may still be being written, ends the usual way."""
@@ -53,4 +54,3 @@ def exit_without_teardown(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
