@@ -14,10 +14,10 @@ address, a class or function from a module that is neither this repository's nor
 such as a researcher's own block) makes the program uncachable here: it is compiled as usual, and JAX's
 own cache (keyed by the lowered program) still applies.
 A program that also takes another's outputs (the sampler's denoise takes prepare's) names that program's
-key instead of their shardings (`path_of(..., after=)`), so `read` can read both files at once.
+key instead of their shardings (`path_of(..., after=)`), so `prefetch` can read both files at once.
 An abstract argument (`jax.ShapeDtypeStruct` with a sharding) has the same text as an array of its shape,
 dtype and sharding in the default layout, so keys can be known before the weights are: `prefetch` starts
-reading those files then, and `read` takes what it has read (`Pipeline.load(first=...)`: while the
+reading those files then, and `compile` takes what it has read (`Pipeline.load(first=...)`: while the
 weights load).
 The abstract models a load fills with weights are kept beside them (`abstract_model`): building one is
 Python work (SD 1.5's three 1.3 s, SDXL's four 2.3 s on a 2-core CPU) that a warm start would repeat.
@@ -84,19 +84,12 @@ def compile(fn: functools.partial, *args, path: Path | None | str = KEYED, compi
     return compiled
 
 
-def read(paths: list[Path | None | str]) -> list[jax.stages.Compiled | None]:
-    """The executables stored in `paths`, read side by side (XLA reads each on one core: SDXL's three in
-    3.3-3.5 s instead of 5.2 s on two cores); None for a path that is None or `KEYED` (not known before
-    compiling), absent or unreadable."""
-    with ThreadPoolExecutor(max_workers=max(len(paths), 1)) as pool:
-        return list(pool.map(_read, paths))
-
-
 def prefetch(paths: list[Path | None | str]) -> None:
     """Start reading the executables stored in `paths` (those that exist) in the background, `PREFETCH_READERS`
-    at a time; `read` and `compile` then take them from there instead of reading again. For keys known before
-    the arguments exist: `Pipeline.load` computes its first request's from the abstract models and loads the
-    weights meanwhile. A prefetched program no one asks for stays in memory until the process ends."""
+    at a time, in order (XLA reads each on one core); `compile` then takes them from there instead of reading
+    again. Keys known before the arguments exist can be prefetched: `Pipeline.load` computes its first
+    request's from the abstract models and loads the weights meanwhile. A prefetched program no one asks for
+    stays in memory until the process ends."""
     todo = [p for p in paths if isinstance(p, Path) and p not in _PREFETCHED and p.is_file()]
     if not todo:
         return

@@ -47,6 +47,12 @@ from `fold_in(key, Stream.POSTERIOR)` and a stochastic sampler's noise at call c
 `fold_in(fold_in(key, Stream.STEP_NOISE), c)`, each for image j alone: an image is the same at any
 batch size, with or without guidance, on one device or a mesh.
 
+Host memory on a CPU: the weights are their files' pages, used in place (`sdx.weights`); loading has the OS
+read them into its page cache and a program maps each as it first reads it. Once prepare is done, the text
+encoders' pages are unmapped again (`weights.unmap`), so they and the UNet's never count in the process at
+once: SDXL in float32 at 256² peaks at 10.9 GiB instead of 13.6 (2-core VM, benchmarks/README.md). The next
+prepare maps them back from the page cache (SDXL's: under 0.1 s).
+
 Sharding: the generation batch is split over every device of the mesh (`sdx.mesh.batch_sharding`),
 parameters are placed by the loader (replicated, or FSDP-split), and XLA inserts the collectives. The
 programs hand each other arrays with the shardings the first one chose.
@@ -417,6 +423,7 @@ class Sampler:
         self._programs: dict[Plan, _Programs] = {}
         self.compilations = 0
         self._decode32 = None  # (jitted decode, float32 VAE parameters), made when first needed
+        self._unmap_encoders = mesh.devices.flat[0].platform == "cpu"
 
     def flops(self) -> dict[Plan, float]:
         """{plan: XLA's count of the floating-point operations of one run} for every plan compiled so far."""
@@ -489,25 +496,21 @@ class Sampler:
 
     def compiled(self, plan: Plan, inputs: Inputs) -> _Programs:
         """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings), or
-        read from `pipelines.executables`' files, all at once."""
+        read from `pipelines.executables`' files, side by side (`executables.prefetch`)."""
         if plan in self._programs:
             return self._programs[plan]
         t0 = time.perf_counter()
         r = self._recipe(plan, inputs)
-        stored = executables.read(r.paths())
-        prepare, denoise, decode = stored[0], dict(zip(r.denoise_paths, stored[1:-1])), stored[-1]
-        params = self._prepare_params(plan)
-        if prepare is None:
-            prepare = executables.compile(r.prepare_fn, params, inputs, path=r.prepare_path, compiler_options=r.options)
+        executables.prefetch(r.paths())
+        prepare = executables.compile(r.prepare_fn, self._prepare_params(plan), inputs, path=r.prepare_path,
+                                      compiler_options=r.options)
         carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
         keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
-        for calls, fn in r.denoise_fns.items():
-            if denoise[calls] is None:
-                denoise[calls] = executables.compile(fn, self._denoise_params(plan), carry, fixed, path=r.denoise_paths[calls],
-                                                     compiler_options=r.options, out_shardings=keep, donate_argnums=1)
-        if plan.decode and decode is None:
-            decode = executables.compile(r.decode_fn, self.params["vae"], carry.latents, path=r.decode_path,
-                                         compiler_options=r.options)
+        denoise = {calls: executables.compile(fn, self._denoise_params(plan), carry, fixed, path=r.denoise_paths[calls],
+                                              compiler_options=r.options, out_shardings=keep, donate_argnums=1)
+                   for calls, fn in r.denoise_fns.items()}
+        decode = executables.compile(r.decode_fn, self.params["vae"], carry.latents, path=r.decode_path,
+                                     compiler_options=r.options) if plan.decode else None
         self._programs[plan] = _Programs(prepare, denoise, r.sizes, decode)
         host_memory.trim()  # what XLA freed after compiling or reading the programs
         self.compilations += 1
@@ -522,6 +525,9 @@ class Sampler:
         inputs = self.place(inputs)
         programs = self.compiled(plan, inputs)
         carry, fixed = programs.prepare(self._prepare_params(plan), inputs)
+        if self._unmap_encoders:  # the text encoders' file pages leave the process until the next prepare
+            jax.block_until_ready((carry, fixed))
+            weights.unmap([self.params[name] for name in plan.family.encoders])
         queued = []  # (index output, calls) of denoise calls not yet reported
         for calls in programs.sizes:
             carry, index = programs.denoise[calls](self._denoise_params(plan), carry, fixed)

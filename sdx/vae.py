@@ -274,9 +274,9 @@ class AutoencoderKL(nnx.Module):
     """
 
     MAPPED_ON_USE = ("encoder", "quant_conv")
-    """What a text-to-image run never reads: loading leaves these parameters' file pages to be mapped when
-    first used (`sdx.weights.materialize`, on a CPU) instead of reading them in (0.13 GiB of resident memory
-    at SD 1.5's and SDXL's size)."""
+    """What a text-to-image run never reads: loading does not read these parameters' file pages ahead
+    (`sdx.weights.materialize`, on a CPU); a run that encodes reads them when it first does (0.13 GB at SD
+    1.5's and SDXL's size)."""
 
     def __init__(self, config: VAEConfig, compute: Compute = F32, *, rngs: nnx.Rngs):
         self.config, self.compute = config, compute

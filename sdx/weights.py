@@ -173,9 +173,10 @@ def where_of(tensors: Mapping[str, np.ndarray], default: str) -> str:
 
 def _read(value: np.ndarray, dtype, target: jax.sharding.Sharding | None, on_use: bool = False) -> np.ndarray:
     """The host side of `_place`, run in a reader thread: for a CPU, a view into the file the CPU can use in
-    place (`io.in_place`), its pages read in unless they are to be mapped `on_use` (an embedding table, of
-    which a generation gathers a few rows: SDXL's two token tables are 0.4 GB of pages it never touches; a
-    model's `MAPPED_ON_USE` parameters); else `value` read and cast
+    place (`io.in_place`), its pages read into the OS page cache (`io.read_ahead`; the process maps them as it
+    uses them) unless they are to be read `on_use` (an embedding table, of which a generation gathers a few
+    rows: SDXL's two token tables are 0.4 GB of pages it never touches; a model's `MAPPED_ON_USE`
+    parameters); else `value` read and cast
     (`io.host_copy`: aligned, so a CPU keeps it as the device buffer); `value` itself for a sharded target
     (each device reads its slice)."""
     if target is not None and not target.is_fully_replicated:
@@ -184,7 +185,7 @@ def _read(value: np.ndarray, dtype, target: jax.sharding.Sharding | None, on_use
     if (isinstance(value, np.ndarray) and value.dtype == np.dtype(dtype) and io.in_place(value)
             and all(d.platform == "cpu" for d in devices)):
         if not on_use:
-            io.populate(value)
+            io.read_ahead(value)
         return value
     return io.host_copy(value, dtype)
 
@@ -228,6 +229,17 @@ def materialize(
         flat = [(path, var.replace(_place(host, dtype, target)))
                 for (path, var, _, dtype, target), host in zip(todo, hosts)]
     return nnx.merge(graphdef, nnx.from_flat_state(flat), rest)
+
+
+def unmap(tree) -> None:
+    """Take the file pages under the CPU arrays of `tree` that use a weight file in place (`io.in_place`) out
+    of this process (`io.unmap`): the page cache keeps them and the next use maps them again. Other arrays
+    are left alone."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                if shard.device.platform == "cpu":
+                    io.unmap(shard.data.unsafe_buffer_pointer(), shard.data.nbytes)
 
 
 def _target(sharding: Sharding, key: str, shape: tuple[int, ...]) -> jax.sharding.Sharding | None:

@@ -159,7 +159,7 @@ def test_code_outside_the_keyed_modules_keeps_nothing(tmp_path, monkeypatch):
     assert executables.path_of(functools.partial(timestep_embedding, dim=8, flip_sin_to_cos=json.loads), (x,), {}) is None
 
 
-def test_programs_read_side_by_side_and_keys_named_after_another(kept):
+def test_stored_programs_are_taken_untraced_and_keys_named_after_another(kept):
     x = jnp.ones((2, 2))
     first, second = (functools.partial(_affine, scale=float(k), shift=0.0) for k in (1, 2))
     made = executables.path_of(first, (x, x), {})
@@ -169,19 +169,19 @@ def test_programs_read_side_by_side_and_keys_named_after_another(kept):
     out = executables.compile(first, x, x)(x, x)
     executables.compile(second, x, out, path=after)
     traced = _traces("_affine")
-    a, b, missing, none = executables.read([made, after, kept / "absent", None])
-    assert missing is None and none is None and len(traced) == 0
+    a, b = executables.compile(first, x, x, path=made), executables.compile(second, x, out, path=after)
+    assert len(traced) == 0
     np.testing.assert_array_equal(b(x, a(x, x)), x + x * 2.0 + x * 1.0)
 
 
-def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_read(kept, monkeypatch):
+def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_compile(kept, monkeypatch):
     """`prefetch` reads at most PREFETCH_READERS programs at once (reading one holds about its size again: all
-    at once while the weights load were a warm start's peak memory); `read` takes each read, not read again."""
+    at once while the weights load were a warm start's peak memory); `compile` takes each read, not read
+    again, nor traced."""
     x = jnp.ones((2, 2))
-    paths = []
-    for k in range(executables.PREFETCH_READERS + 2):
-        fn = functools.partial(_affine, scale=float(k + 1), shift=0.0)
-        paths.append(executables.path_of(fn, (x, x), {}))
+    fns = [functools.partial(_affine, scale=float(k + 1), shift=0.0) for k in range(executables.PREFETCH_READERS + 2)]
+    paths = [executables.path_of(fn, (x, x), {}) for fn in fns]
+    for fn in fns:
         executables.compile(fn, x, x)
     active, most, calls, read_file = [0], [0], [], executables._read_file
 
@@ -194,9 +194,11 @@ def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_read(kept, mo
         return read_file(path)
 
     monkeypatch.setattr(executables, "_read_file", counted)
+    traced = _traces("_affine")
     executables.prefetch(paths)
-    loaded = executables.read(paths)
+    loaded = [executables.compile(fn, x, x, path=path) for fn, path in zip(fns, paths)]
     assert most[0] == executables.PREFETCH_READERS and sorted(calls) == sorted(paths) and not executables._PREFETCHED
+    assert len(traced) == 0
     for k, program in enumerate(loaded):
         np.testing.assert_array_equal(program(x, x), x + x * (k + 1.0))
 

@@ -1,9 +1,11 @@
 """pipelines.host_memory: freed heap memory goes back to the OS, and the sampler gives it back after
-compiling (or reading) its programs."""
+compiling (or reading) its programs; on a CPU the sampler takes the text encoders' file pages out of the
+process once prepare has used them."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -44,3 +46,34 @@ def test_the_sampler_trims_once_per_new_set_of_programs(tmp_path_factory, demo_b
         plan, inputs, _ = pipe._work(request)[0]
         pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
     assert len(calls) == 2  # steps 2, then steps 3; the second steps-2 call found its programs in memory
+
+
+def _mapped_bytes(path: Path) -> int:
+    """Bytes of `path`'s pages mapped into this process (Linux: the Rss of its mappings in /proc/self/smaps)."""
+    total, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if fields[0].endswith(":"):
+            if ours and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+        else:  # a mapping's header: address range, permissions, offset, device, inode[, path]
+            ours = len(fields) >= 6 and fields[5] == str(path)
+    return total
+
+
+@pytest.mark.skipif(sys.platform != "linux" or jax.default_backend() != "cpu",
+                    reason="a CPU uses the weight files in place; /proc/self/smaps is Linux's")
+def test_the_text_encoders_pages_leave_the_process_after_prepare(tmp_path_factory, demo_build):
+    """Once prepare has encoded the prompts, the text encoders' file pages are unmapped: they and the UNet's
+    are not counted in the process at once (`weights.unmap`). The next generation maps them again and gives
+    the same images."""
+    folder = demo_build("tiny_xl", tmp_path_factory.mktemp("demo"))
+    pipe = Pipeline.load(folder, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    request = Request(prompts=["a red fox"], height=32, width=32, steps=2, guidance_scale=5.0)
+    first = pipe(request)
+    encoders = [folder / f"{name}.safetensors" for name in ("text_encoder", "text_encoder_2")]
+    assert all(path.is_file() for path in encoders)
+    # at most the header's pages, which the kernel maps around a fault on the first tensor's (fault-around)
+    assert all(_mapped_bytes(path) <= 64 * 1024 < path.stat().st_size for path in encoders)
+    assert _mapped_bytes(folder / "unet.safetensors") > 0, "the UNet's pages stay: every call reads them"
+    np.testing.assert_array_equal(pipe(request), first)
