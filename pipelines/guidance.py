@@ -155,12 +155,19 @@ def negative_conditioning(
 ) -> tuple[jax.Array, jax.Array | None]:
     """The negative branch's (context (B, S, D), pooled (B, P) or None) from the negative prompts' ids
     {encoder: (B, chunks, 77)}; rows where `zero` (B,) bool is set are zeros (no negative prompt and
-    SDXL's force_zeros_for_empty_prompt). No clip skip: diffusers encodes negatives without it."""
-    context, pooled = text.encode(family, encoders, ids, None, dtype)
-    context = jnp.where(zero[:, None, None], jnp.zeros_like(context), context)
-    if pooled is not None:
-        pooled = jnp.where(zero[:, None], jnp.zeros_like(pooled), pooled)
-    return context, pooled
+    SDXL's force_zeros_for_empty_prompt). When every row is, the text encoders do not run (a `lax.cond`:
+    SDXL's prepare at 256² on a 2-core CPU, 2.09-2.18 → 1.28-1.30 s). No clip skip: diffusers encodes negatives
+    without it."""
+
+    def encoded():
+        context, pooled = text.encode(family, encoders, ids, None, dtype)
+        context = jnp.where(zero[:, None, None], jnp.zeros_like(context), context)
+        if pooled is not None:
+            pooled = jnp.where(zero[:, None], jnp.zeros_like(pooled), pooled)
+        return context, pooled
+
+    zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(encoded))
+    return jax.lax.cond(zero.all(), zeros, encoded)
 
 
 def null_conditioning(family: Family, encoders: Mapping, tokenizers: Mapping, dtype) -> dict[str, jax.Array]:

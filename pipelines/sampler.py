@@ -51,7 +51,7 @@ Host memory on a CPU: the weights are their files' pages, used in place (`sdx.we
 read them into its page cache and a program maps each as it first reads it. Once prepare is done, the text
 encoders' pages are unmapped again (`weights.unmap`), so they and the UNet's never count in the process at
 once: SDXL in float32 at 256² peaks at 10.9 GiB instead of 13.6 (2-core VM, benchmarks/README.md). The next
-prepare maps them back from the page cache (SDXL's: under 0.1 s).
+prepare maps them back from the page cache (SDXL's: 0.1-0.2 s).
 
 Sharding: the generation batch is split over every device of the mesh (`sdx.mesh.batch_sharding`),
 parameters are placed by the loader (replicated, or FSDP-split), and XLA inserts the collectives. The

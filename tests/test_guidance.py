@@ -134,3 +134,24 @@ def test_null_conditioning_is_the_negative_branch_without_a_prompt(tmp_path_fact
     np.testing.assert_array_equal(np.asarray(null["context"]), expected(np.asarray(context[0])))
     if family.xl:
         np.testing.assert_array_equal(np.asarray(null["pooled"]), expected(np.asarray(pooled[0])))
+
+
+def test_an_all_zero_negative_branch_runs_no_text_encoder(monkeypatch):
+    """SDXL without a negative prompt (force_zeros_for_empty_prompt): every negative row is zeros, so the
+    text encoders are not run for them; a batch where some row has a negative prompt runs them."""
+    runs = []
+
+    def encode(family, encoders, ids, clip_skip, dtype):  # stands in for the encoders; counts its runs
+        jax.debug.callback(lambda: runs.append(1))
+        batch = ids["text_encoder"].shape[0]
+        return jnp.ones((batch, 77, 8), dtype), jnp.ones((batch, 4), dtype)
+
+    monkeypatch.setattr(text, "encode", encode)
+    ids = {"text_encoder": jnp.zeros((2, 1, 77), jnp.int32)}
+    run = jax.jit(lambda zero: guidance.negative_conditioning(None, {}, ids, zero, jnp.float32))
+    context, pooled = run(jnp.array([True, True]))
+    jax.effects_barrier()
+    assert runs == [] and context.shape == (2, 77, 8) and not context.any() and not pooled.any()
+    context, pooled = run(jnp.array([True, False]))
+    jax.effects_barrier()
+    assert runs == [1] and not context[0].any() and context[1].all() and pooled[1].all()
