@@ -273,7 +273,7 @@ class AutoencoderKL(nnx.Module):
     The posterior is float32 whatever `compute.dtype`; `decode` returns `compute.dtype`.
     """
 
-    MAPPED_ON_USE = ("encoder", "quant_conv")
+    READ_ON_USE = ("encoder", "quant_conv")
     """What a text-to-image run never reads: loading does not read these parameters' file pages ahead
     (`sdx.weights.materialize`, on a CPU); a run that encodes reads them when it first does (0.13 GB at SD
     1.5's and SDXL's size)."""

@@ -175,7 +175,7 @@ def _read(value: np.ndarray, dtype, target: jax.sharding.Sharding | None, on_use
     """The host side of `_place`, run in a reader thread: for a CPU, a view into the file the CPU can use in
     place (`io.in_place`), its pages read into the OS page cache (`io.read_ahead`; the process maps them as it
     uses them) unless they are to be read `on_use` (an embedding table, of which a generation gathers a few
-    rows: SDXL's two token tables are 0.4 GB of pages it never touches; a model's `MAPPED_ON_USE`
+    rows: SDXL's two token tables are 0.4 GB of pages it never touches; a model's `READ_ON_USE`
     parameters); else `value` read and cast
     (`io.host_copy`: aligned, so a CPU keeps it as the device buffer); `value` itself for a sharded target
     (each device reads its slice)."""
@@ -217,7 +217,7 @@ def materialize(
         if isinstance(var.get_value(), jax.ShapeDtypeStruct):
             key = ".".join(map(str, path))
             raise SdxError(f"model state {key} is not a parameter and has no value; it cannot be materialised")
-    todo, on_use = [], getattr(model, "MAPPED_ON_USE", ())
+    todo, on_use = [], getattr(model, "READ_ON_USE", ())
     for path, var in nnx.to_flat_state(params):
         key = ".".join(map(str, path))
         if key not in arrays:

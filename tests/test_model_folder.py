@@ -422,7 +422,7 @@ def test_a_tensor_used_in_place_is_read_ahead_unmapped_unless_it_is_an_embedding
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="tensors are used in place on a CPU only")
 def test_loading_a_vae_reads_the_decoder_s_pages_ahead_and_the_encoder_s_on_use(tmp_path, monkeypatch):
-    """Text-to-image never runs the VAE's encoder (`AutoencoderKL.MAPPED_ON_USE`): its parameters are used in
+    """Text-to-image never runs the VAE's encoder (`AutoencoderKL.READ_ON_USE`): its parameters are used in
     place like the rest, their pages left to be read on first use; the decoder's are read ahead. Encoding and
     decoding then give what the model they came from gives."""
     from sdx.vae import AutoencoderKL, VAEConfig
@@ -437,7 +437,7 @@ def test_loading_a_vae_reads_the_decoder_s_pages_ahead_and_the_encoder_s_on_use(
     loaded = weights.materialize(nnx.eval_shape(lambda: AutoencoderKL(config, rngs=nnx.Rngs(0))), arrays)
     read_in = {k for k, a in arrays.items() if a.ctypes.data in read_ahead}
     assert read_in and all(k.startswith(("decoder.", "post_quant_conv.")) for k in read_in), sorted(read_in)
-    assert any(io.in_place(arrays[k]) for k in flat if k.startswith(AutoencoderKL.MAPPED_ON_USE))  # used in place
+    assert any(io.in_place(arrays[k]) for k in flat if k.startswith(AutoencoderKL.READ_ON_USE))  # used in place
     image = jax.random.uniform(jax.random.key(1), (1, 16, 16, 3), minval=-1.0, maxval=1.0)
     np.testing.assert_array_equal(loaded.encode(image).mean, live.encode(image).mean)
     np.testing.assert_array_equal(loaded.decode(live.encode(image).mean), live.decode(live.encode(image).mean))
