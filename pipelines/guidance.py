@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from pipelines import text
 from pipelines.family import Family
+from sdx.layers import BlankRows
 
 
 @jax.tree_util.register_dataclass
@@ -70,9 +71,17 @@ class Guidance:
     latents the same way, `combine` turns the UNet's output back into one prediction per image."""
 
     branches: ClassVar[int] = 1
+    negative_branches: ClassVar[tuple[int, ...]] = ()  # the branches that read the negative prompt's text
 
     def conditioning(self, text: Conditioning, negative: Conditioning | None) -> Conditioning:
         raise NotImplementedError
+
+    def blank_rows(self, family: Family) -> BlankRows | None:
+        """The UNet batch's rows whose text is zeros when no negative prompt is given (SDXL's
+        force_zeros_for_empty_prompt), for `UNet2DConditionModel.text_context`; None where none can be."""
+        if not (family.force_zeros and self.negative_branches):
+            return None
+        return BlankRows(self.branches, self.negative_branches)
 
     def model_input(self, latents: jax.Array, cond: Conditioning) -> jax.Array:
         """latents (B, h, w, C) -> (B * branches, h, w, C + K), with `cond.image`'s K channels appended."""
@@ -99,6 +108,7 @@ class ClassifierFree(Guidance):
     """uncond + g * (text - uncond), then `rescale`."""
 
     branches: ClassVar[int] = 2
+    negative_branches: ClassVar[tuple[int, ...]] = (0,)
 
     def conditioning(self, text, negative):
         return _interleave(negative, text)
@@ -114,6 +124,7 @@ class InstructPix2Pix(Guidance):
     branch takes the text's time ids, as diffusers' SDXL InstructPix2Pix pipeline does."""
 
     branches: ClassVar[int] = 3
+    negative_branches: ClassVar[tuple[int, ...]] = (1, 2)
 
     def conditioning(self, text, negative):
         with_image = dataclasses.replace(negative, time_ids=text.time_ids, image=text.image)

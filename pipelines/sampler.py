@@ -287,8 +287,11 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
     both = plan.guidance.conditioning(cond, negative)
     nets = [models[name] for name in _controlnet_names(plan)]
-    fixed = Fixed(both, models["unet"].text_context(both.context), inputs.keys, inputs.scales, known,
-                  tuple(inputs.control), inputs.control_scales, tuple(net.text_context(both.context) for net in nets))
+    blank = plan.guidance.blank_rows(fam)  # SDXL's zero negative branch: its cross-attentions are skipped
+    control_blank = None if plan.guess_mode else blank  # guess mode runs a ControlNet on the text rows alone
+    fixed = Fixed(both, models["unet"].text_context(both.context, blank), inputs.keys, inputs.scales, known,
+                  tuple(inputs.control), inputs.control_scales,
+                  tuple(net.text_context(both.context, control_blank) for net in nets))
     return Carry(x, state, first_bad), fixed
 
 

@@ -52,6 +52,7 @@ from sdx.errors import SdxError
 from sdx.layers import (
     F32,
     Attention,
+    BlankRows,
     Compute,
     Downsample2D,
     GroupNorm,
@@ -435,14 +436,28 @@ class UNetEncoder(nnx.Module):
         for path, attention in self._reading_text():
             attention.key = ".".join(map(str, path))
 
-    def text_context(self, encoder_hidden_states: jax.Array) -> TextContext:
+    def text_context(self, encoder_hidden_states: jax.Array, blank: BlankRows | None = None) -> TextContext:
         """encoder_hidden_states (B, S, D) with the keys and values of every attention that reads it
         projected, for calls that read the same text: a sampler makes them once per image instead of once
         per step (SDXL's 140 projections from 2,048 features; on a 2-core CPU at 256² a UNet call took
         5.16-5.18 s with them, 4.13-4.62 s without). `__call__` takes it in place of the array, with the
-        same result; only this model's `__call__` does (a ControlNet has its own)."""
+        same result; only this model's `__call__` does (a ControlNet has its own).
+
+        blank: rows whose text may be zeros (SDXL's negative branch without a negative prompt); when
+        every one of them is, at run time, neither their projections nor their cross-attentions are
+        computed (`Attention`): a blank row's keys and values are the projection of the zero vector."""
         states = encoder_hidden_states
-        return TextContext(states, {m.key: m.keys_values(states) for _, m in self._reading_text()})
+        project = lambda s: {m.key: m.keys_values(s) for _, m in self._reading_text()}  # (B, S, D) -> kv
+        if blank is None:
+            return TextContext(states, project(states))
+        is_blank = blank.all_zero(states)
+
+        def blank_rows():
+            others = project(blank.pick(states, blank.others()))
+            zero = project(jnp.zeros_like(states[:1, :1]))  # each (1, 1, heads, head_dim)
+            return jax.tree.map(lambda o, z: blank.merge(o, lambda _: z[0]), others, zero)
+
+        return TextContext(states, jax.lax.cond(is_blank, blank_rows, lambda: project(states)), blank, is_blank)
 
     def _check_inputs(self, sample, encoder_hidden_states) -> int:
         """The batch size, after checking the sample's layout and the context's width (and that a

@@ -69,6 +69,26 @@ def test_combinations():
                                uncond + g * (cond - image) + gi * (image - uncond), rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind", [Unguided(), ClassifierFree(), InstructPix2Pix()])
+def test_blank_rows_are_the_negative_branches_where_no_negative_prompt_means_zeros(kind):
+    """The rows whose cross-attentions the UNet may skip (`sdx.layers.BlankRows`) are where the guidance
+    layout puts the negative branch, and exist only for a force_zeros family."""
+    from pipelines.family import family_of
+
+    xl = lambda zeros: family_of("StableDiffusionXLPipeline", {"text_encoder", "text_encoder_2"},  # noqa: E731
+                                 {"force_zeros_for_empty_prompt": zeros})
+    assert kind.blank_rows(xl(False)) is None and kind.blank_rows(_family(pix2pix=False)) is None
+    blank = kind.blank_rows(xl(True))
+    if isinstance(kind, Unguided):
+        assert blank is None
+        return
+    cond = kind.conditioning(_cond(1.0, image=kind.branches == 3), _cond(2.0))  # InstructPix2Pix's text has an image
+    negative = np.asarray(_cond(2.0).context)
+    for r in range(kind.branches):
+        rows = np.asarray(blank.pick(cond.context, (r,)))
+        assert np.array_equal(rows, negative) == (r in blank.rows), f"branch {r}"
+
+
 def test_choose_follows_diffusers():
     sd, p2p = _family(pix2pix=False), _family(pix2pix=True)
     assert guidance.choose(sd, 1.0, 1.5) == Unguided()

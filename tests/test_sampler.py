@@ -29,7 +29,7 @@ from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from pipelines.sampler import _decode
 from sdx import mesh as meshlib
-from sdx.layers import Compute
+from sdx.layers import Attention, Compute
 from sdx.sample import main
 from sdx.unet import UNet2DConditionModel
 from tests.processes import child_env
@@ -64,6 +64,22 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
     assert pipe.sampler.compilations == 1
     assert len(backend_compiles) == compiled_before, "XLA compiled again for a traced input's new value"
     assert not np.allclose(first, outs[0]) and not np.allclose(first, outs[1])  # the new values were used
+
+
+def test_sdxl_without_a_negative_prompt_skips_the_negative_rows_cross_attentions(tiny_xl, monkeypatch):
+    """force_zeros_for_empty_prompt: the negative branch reads zeros, so every attention that reads the
+    text is traced with its shortcut for the blank rows (`sdx.layers.Attention._blank_rows`); a run
+    without guidance has no negative branch, and no shortcut."""
+    traced = []
+    shortcut = Attention._blank_rows
+    monkeypatch.setattr(Attention, "_blank_rows", lambda self, *a: traced.append(self.key) or shortcut(self, *a))
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    assert pipe.family.force_zeros
+    pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=1.0))
+    assert traced == []
+    pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0))
+    reading = {m.key for _, m in pipe.sampler.models["unet"]._reading_text()}
+    assert reading and set(traced) == reading
 
 
 def test_flop_count_grows_by_one_unet_call_per_step(tiny_xl):

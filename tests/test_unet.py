@@ -165,6 +165,43 @@ def test_text_context_holds_every_attention_reading_the_text_and_only_its_model_
         model(sample, jnp.asarray(t), net_text)
 
 
+@pytest.mark.parametrize("name, blank", [("sdxl", U.BlankRows(2, (0,))),  # classifier-free guidance's layout
+                                         ("options-mid=UNetMidBlock2DCrossAttn", U.BlankRows(3, (1, 2)))])  # InstructPix2Pix's
+def test_blank_rows_skip_their_cross_attentions_and_keep_diffusers_output(name, blank):
+    """Rows whose text is zeros (SDXL's negative branch without a negative prompt) compute no
+    cross-attention when `text_context` is told where they are: the output is still diffusers'. Forcing
+    `is_blank` on rows that are not zeros shows the shortcut is the path taken: those rows change, the
+    others do not. The second case's first level has only_cross_attention (its attn1 reads the text)."""
+    d = CASES[name]
+    cfg = U.UNetConfig.from_diffusers_config(d)
+    torch_model = _torch_unet(d)
+    model = _sdx_unet(cfg, torch_model)
+    x, t, ctx, added = _inputs(cfg, SIZES[name], batch=blank.period)
+    zeroed = ctx.copy()
+    zeroed[list(blank.rows)] = 0.0
+    run = nnx.jit(lambda m, text: m(jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), text, jax.tree.map(jnp.asarray, added)))
+    context = nnx.jit(lambda m, c: m.text_context(c, blank))
+    text = context(model, jnp.asarray(zeroed))
+    assert bool(text.is_blank) and not bool(context(model, jnp.asarray(ctx)).is_blank)
+    # the blank rows' keys and values are not projected but filled in: the same as projecting zeros
+    for (k, v), (k_all, v_all) in zip(text.kv.values(), model.text_context(jnp.asarray(zeroed)).kv.values()):
+        np.testing.assert_allclose(np.asarray(k), np.asarray(k_all), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(v), np.asarray(v_all), rtol=1e-6, atol=1e-6)
+    out, ref = _run_both(torch_model, model, x, t, zeroed, added)
+    got = np.asarray(run(model, text)).transpose(0, 3, 1, 2)
+    scale = float(np.abs(ref).max())
+    assert np.abs(got - ref).max() <= 1e-4 * scale and np.abs(out - ref).max() <= 1e-4 * scale
+    # the shortcut forced on rows that read text: those rows lose it, the others keep theirs
+    forced = dataclasses.replace(context(model, jnp.asarray(ctx)), is_blank=jnp.asarray(True))
+    full = np.asarray(run(model, model.text_context(jnp.asarray(ctx)))).transpose(0, 3, 1, 2)
+    wrong = np.asarray(run(model, forced)).transpose(0, 3, 1, 2)
+    others = [r for r in range(blank.period) if r not in blank.rows]
+    np.testing.assert_allclose(wrong[others], full[others], rtol=0, atol=1e-5 * scale)
+    assert all(np.abs(wrong[r] - full[r]).max() > 1e-2 * scale for r in blank.rows)
+    with pytest.raises(SdxError, match="blank rows of period 3 in a batch of 2 rows"):
+        model.text_context(jnp.zeros((2, 7, ctx.shape[-1])), U.BlankRows(3, (0,)))
+
+
 def test_scalar_timestep_and_bfloat16_compute():
     cfg = U.UNetConfig.from_diffusers_config(CASES["pix2pix"])
     torch_model = _torch_unet(CASES["pix2pix"])
