@@ -287,7 +287,9 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
     both = plan.guidance.conditioning(cond, negative)
     nets = [models[name] for name in _controlnet_names(plan)]
-    blank = plan.guidance.blank_rows(fam)  # SDXL's zero negative branch: its cross-attentions are skipped
+    # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention. On a
+    # CPU only: a GPU's XLA reads a conditional's predicate back to the host (a wait per attention), unmeasured.
+    blank = plan.guidance.blank_rows(fam) if jax.default_backend() == "cpu" else None
     control_blank = None if plan.guess_mode else blank  # guess mode runs a ControlNet on the text rows alone
     fixed = Fixed(both, models["unet"].text_context(both.context, blank), inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales,

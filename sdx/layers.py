@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -188,12 +187,12 @@ class BlankRows:
         """The positions in a period that are not blank."""
         return tuple(r for r in range(self.period) if r not in self.rows)
 
-    def merge(self, others: jax.Array, fill: Callable[[int], jax.Array]) -> jax.Array:
-        """The inverse of `pick(a, self.others())`, blank row r being `fill(r)` broadcast to a row's shape:
+    def merge(self, others: jax.Array, fill: jax.Array) -> jax.Array:
+        """The inverse of `pick(a, self.others())`, each blank row being `fill` broadcast to a row's shape:
         (B * len(others), ...) -> (B * period, ...)."""
         kept = self.others()
         grouped = others.reshape(-1, len(kept), *others.shape[1:])  # (B, len(others), ...)
-        rows = [grouped[:, kept.index(r)] if r in kept else jnp.broadcast_to(fill(r), grouped[:, 0].shape)
+        rows = [grouped[:, kept.index(r)] if r in kept else jnp.broadcast_to(fill, grouped[:, 0].shape)
                 for r in range(self.period)]  # each (B, ...)
         return jnp.stack(rows, axis=1).reshape(-1, *others.shape[1:])  # (B, period, ...) -> (B * period, ...)
 
@@ -286,12 +285,16 @@ class Attention(nnx.Module):
 
     def _blank_rows(self, blank: BlankRows, h, k, v) -> jax.Array:
         """`_attend` when `blank`'s rows read zeros: the other rows attend; in a blank row every key is
-        the projection of the zero vector, so the softmax is uniform and the attention is that row's value,
-        the same for every query (SDXL's negative branch: cross-attentions 4 % of the UNet's arithmetic)."""
+        the projection of the zero vector, so the softmax is uniform and the attention is the value of
+        zero, to_v's bias (zeros without one), for every query: to_out's bias without either (SDXL's
+        negative branch: cross-attentions 4 % of the UNet's arithmetic)."""
         attended = self._attend(*(blank.pick(a, blank.others()) for a in (h, k, v)))  # (B * len(others), T, C)
-        value = blank.pick(v[:, 0], blank.rows)  # one token's value in each blank row: (B * len(rows), H, D)
-        constant = self.to_out[0](value.reshape(-1, len(blank.rows), value.shape[1] * value.shape[2]))  # (B, len(rows), C)
-        return blank.merge(attended, lambda r: constant[:, blank.rows.index(r), None])  # (B * period, T, C)
+        out = self.to_out[0]
+        if self.to_v.bias is None:  # every UNet's: no product at all
+            constant = out.bias[...].astype(attended.dtype)  # (C,)
+        else:
+            constant = out(self.to_v.bias[...].astype(attended.dtype))  # (C,)
+        return blank.merge(attended, constant)  # (B * period, T, C)
 
 
 class GEGLU(nnx.Module):

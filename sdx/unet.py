@@ -444,20 +444,12 @@ class UNetEncoder(nnx.Module):
         same result; only this model's `__call__` does (a ControlNet has its own).
 
         blank: rows whose text may be zeros (SDXL's negative branch without a negative prompt); when
-        every one of them is, at run time, neither their projections nor their cross-attentions are
-        computed (`Attention`): a blank row's keys and values are the projection of the zero vector."""
+        every one of them is, at run time, their cross-attentions are not computed (`Attention`). Their
+        projections here still are (once per image): skipping them too takes a second `lax.cond` per
+        attention, a copy of every projection in a program a warm start reads back."""
         states = encoder_hidden_states
-        project = lambda s: {m.key: m.keys_values(s) for _, m in self._reading_text()}  # (B, S, D) -> kv
-        if blank is None:
-            return TextContext(states, project(states))
-        is_blank = blank.all_zero(states)
-
-        def blank_rows():
-            others = project(blank.pick(states, blank.others()))
-            zero = project(jnp.zeros_like(states[:1, :1]))  # each (1, 1, heads, head_dim)
-            return jax.tree.map(lambda o, z: blank.merge(o, lambda _: z[0]), others, zero)
-
-        return TextContext(states, jax.lax.cond(is_blank, blank_rows, lambda: project(states)), blank, is_blank)
+        kv = {m.key: m.keys_values(states) for _, m in self._reading_text()}
+        return TextContext(states, kv, blank, None if blank is None else blank.all_zero(states))
 
     def _check_inputs(self, sample, encoder_hidden_states) -> int:
         """The batch size, after checking the sample's layout and the context's width (and that a
