@@ -12,7 +12,7 @@ guidance combination needs no communication.
 
 The negative branch without a negative prompt is the null conditioning (`null_conditioning`): zeros
 for SDXL models with force_zeros_for_empty_prompt, else the encoding of "". Training's conditioning
-dropout swaps in the same.
+dropout swaps in the same. Zeros let the UNet skip those rows' cross-attentions (`Guidance.blank_rows`).
 """
 
 from __future__ import annotations
