@@ -284,10 +284,10 @@ class Attention(nnx.Module):
         return self.to_out[0](o.reshape(o.shape[0], o.shape[1], -1))  # (B, T, H*D) -> (B, T, C)
 
     def _blank_rows(self, blank: BlankRows, h, k, v) -> jax.Array:
-        """`_attend` when `blank`'s rows read zeros: the other rows attend; in a blank row every key is
-        the projection of the zero vector, so the softmax is uniform and the attention is the value of
-        zero, to_v's bias (zeros without one), for every query: to_out's bias without either (SDXL's
-        negative branch: cross-attentions 4 % of the UNet's arithmetic)."""
+        """`_attend` when `blank`'s rows read zeros: the other rows attend. In a blank row every key and
+        value is the projection of the zero vector, so the softmax is uniform and the attention is to_v's
+        bias (zeros without one) for every query, and the output to_out of that: to_out's bias when to_v
+        has none, as in every UNet (SDXL's negative branch: cross-attentions 4 % of the UNet's arithmetic)."""
         attended = self._attend(*(blank.pick(a, blank.others()) for a in (h, k, v)))  # (B * len(others), T, C)
         out = self.to_out[0]
         if self.to_v.bias is None:  # every UNet's: no product at all
