@@ -15,7 +15,10 @@
 # 7. batch4_flags: steady state at batch 4 again, sdx alone, with XLA_FLAGS=$TRY_FLAGS added (default: every matrix
 #    product to cuBLAS rather than XLA's Triton kernels), against stage 5's sdx number;
 # 8. batch1_other: steady state at batch 1 with the other attention backend, sdx alone;
-# 9. train: one training step of SD 1.5's UNet at 512², batch 8, bfloat16 mixed precision, against diffusers'
+# 9. blank_rows: steady state at batch 4 again, sdx alone, with SDXL's zero negative branch skipping its
+#    cross-attentions behind a conditional per attention (`--blank-rows always`; sdx does it on CPUs only), against
+#    stage 5's sdx number;
+# 10. train: one training step of SD 1.5's UNet at 512², batch 8, bfloat16 mixed precision, against diffusers'
 #    (benchmarks/train.py; TRAIN overrides its arguments).
 #
 # STAGES (names, space-separated) runs those, in its order: a round split over two calls, say, or the
@@ -23,7 +26,7 @@
 # batch1's compilation cache) follows it.
 # The job is SDXL base's architecture (random weights), 1024², 25 Euler steps, classifier-free guidance,
 # bfloat16 (sdx's VAE too, as diffusers'; the first round's sdx VAE was float32). PRESET, SIZE, STEPS,
-# DTYPE, ATTENTION (the backend of stages 2-7 and 9), OTHER (stage 8's), TRY_FLAGS (stage 7's) and BUDGET
+# DTYPE, ATTENTION (the backend of stages 2-7, 9 and 10), OTHER (stage 8's), TRY_FLAGS (stage 7's) and BUDGET
 # (seconds for all stages) override it, PYTHON the interpreter; for example, a rehearsal of the whole
 # round on a CPU:
 #   PRESET=tiny_xl SIZE=64 STEPS=2 ATTENTION=xla OTHER=chunked bash benchmarks/gpu_round.sh /tmp/round
@@ -54,7 +57,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (le
 }
 
 read -ra train <<<"${TRAIN:---preset sd15 --size 512 --batch 8 --dtype bfloat16}"
-for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other train}; do
+for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other blank_rows train}; do
   case $name in
   attention) stage "$name" 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py ;;
   batch1) stage "$name" 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 \
@@ -70,6 +73,8 @@ for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batc
                   "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 2 --no-reference ;;
   batch1_other) stage "$name" 150 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "${OTHER:-xla}" \
                   --repeats 2 --no-reference ;;
+  blank_rows) stage "$name" 150 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" \
+                --repeats 2 --no-reference --blank-rows always ;;
   train) stage "$name" 200 "$python" benchmarks/train.py --channels "" "${train[@]}" --attention "$attention" --repeats 5 ;;
   *) echo "gpu_round.sh: no stage named $name" >&2; exit 2 ;;
   esac

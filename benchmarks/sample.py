@@ -140,10 +140,12 @@ def run_sdx(args) -> dict:
     from convert.library import ensure_sdx_folder
     from pipelines.pipeline import Pipeline
     from pipelines.request import Request
-    from pipelines.sampler import enable_compilation_cache
+    from pipelines import sampler
     from sdx import products
 
-    enable_compilation_cache(args.cache)
+    if args.blank_rows == "always":  # keyed nowhere: parse() refuses it with --cache
+        sampler.BLANK_ROWS_PLATFORMS = (jax.default_backend(),)
+    sampler.enable_compilation_cache(args.cache)
     folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
     pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, attention=args.attention)
     noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
@@ -288,9 +290,14 @@ def parse(argv=None):
     p.add_argument("--pairs", action="store_true",
                    help="--end-to-end: run each framework twice in a row per round, the second run finding its weight "
                         "files in the OS page cache (two SDXL float32 models do not both fit in 24 GiB)")
+    p.add_argument("--blank-rows", choices=("auto", "always"), default="auto",
+                   help="always: SDXL's zero negative branch skips its cross-attentions on this backend too (auto: on "
+                        "the backends in pipelines.sampler.BLANK_ROWS_PLATFORMS); not with --cache or --end-to-end")
     p.add_argument("--worker", choices=("sdx", "diffusers", "diffusers-e2e"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.blank_rows == "always" and (args.cache or args.end_to_end):
+        p.error("--blank-rows always changes programs their cache keys do not name: not with --cache or --end-to-end")
     args.vae_dtype = args.vae_dtype or args.dtype
     return args
 

@@ -247,6 +247,13 @@ def _in_turns(fn: Callable, x: jax.Array, devices: int):
     return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(b, *o.shape[2:]), out)  # (B/D, D, ...) -> (B, ...)
 
 
+# The backends on which SDXL's zero negative branch skips its cross-attentions (`Guidance.blank_rows`).
+# Not GPUs until measured there: a GPU's XLA reads a conditional's predicate back to the host, a wait in
+# each attention (benchmarks/gpu_round.sh's blank_rows stage measures it). Not part of a program's key in
+# `pipelines.executables`: change it before any program is compiled, without a cache folder.
+BLANK_ROWS_PLATFORMS: tuple[str, ...] = ("cpu",)
+
+
 def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int) -> tuple[Carry, Fixed]:
     """Conditioning (with the UNet's and each ControlNet's projections of its context) and initial latents.
     `dtype`: the UNet's compute dtype, for what it reads; `devices`: the mesh's, over which the VAE encodes
@@ -287,9 +294,8 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
     both = plan.guidance.conditioning(cond, negative)
     nets = [models[name] for name in _controlnet_names(plan)]
-    # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention. On a
-    # CPU only: a GPU's XLA reads a conditional's predicate back to the host (a wait per attention), unmeasured.
-    blank = plan.guidance.blank_rows(fam) if jax.default_backend() == "cpu" else None
+    # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention
+    blank = plan.guidance.blank_rows(fam) if jax.default_backend() in BLANK_ROWS_PLATFORMS else None
     control_blank = None if plan.guess_mode else blank  # guess mode runs a ControlNet on the text rows alone
     fixed = Fixed(both, models["unet"].text_context(both.context, blank), inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales,

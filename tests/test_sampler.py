@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from pipelines import cpu_kernels, executables
+from pipelines import cpu_kernels, executables, sampler
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from pipelines.sampler import _decode
@@ -69,17 +69,27 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
 def test_sdxl_without_a_negative_prompt_skips_the_negative_rows_cross_attentions(tiny_xl, monkeypatch):
     """force_zeros_for_empty_prompt: the negative branch reads zeros, so every attention that reads the
     text is traced with its shortcut for the blank rows (`sdx.layers.Attention._blank_rows`); a run
-    without guidance has no negative branch, and no shortcut."""
+    without guidance has no negative branch, and no shortcut; nor has a backend left out of
+    `BLANK_ROWS_PLATFORMS`, whose image is the same."""
     traced = []
     shortcut = Attention._blank_rows
     monkeypatch.setattr(Attention, "_blank_rows", lambda self, *a: traced.append(self.key) or shortcut(self, *a))
-    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    load = lambda: Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    pipe = load()
     assert pipe.family.force_zeros
     pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=1.0))
     assert traced == []
-    pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0))
+    guided = Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0)
+    skipped = pipe(guided)
     reading = {m.key for _, m in pipe.sampler.models["unet"]._reading_text()}
     assert reading and set(traced) == reading
+
+    traced.clear()
+    monkeypatch.setattr(sampler, "BLANK_ROWS_PLATFORMS", ())
+    computed = load()(guided)
+    assert traced == []
+    np.testing.assert_allclose(skipped, computed, atol=1e-5)
+    assert not np.array_equal(skipped, pipe(dataclasses.replace(guided, guidance_scale=4.0)))  # the images see guidance
 
 
 def test_flop_count_grows_by_one_unet_call_per_step(tiny_xl):
