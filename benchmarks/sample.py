@@ -143,7 +143,7 @@ def run_sdx(args) -> dict:
     from pipelines import sampler
     from sdx import products
 
-    if args.blank_rows == "always":  # keyed nowhere: parse() refuses it with --cache
+    if args.blank_rows == "always":
         sampler.BLANK_ROWS_PLATFORMS = (jax.default_backend(),)
     sampler.enable_compilation_cache(args.cache)
     folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
@@ -292,12 +292,12 @@ def parse(argv=None):
                         "files in the OS page cache (two SDXL float32 models do not both fit in 24 GiB)")
     p.add_argument("--blank-rows", choices=("auto", "always"), default="auto",
                    help="always: SDXL's zero negative branch skips its cross-attentions on this backend too (auto: on "
-                        "the backends in pipelines.sampler.BLANK_ROWS_PLATFORMS); not with --cache or --end-to-end")
+                        "the backends in pipelines.sampler.BLANK_ROWS_PLATFORMS); steady state only")
     p.add_argument("--worker", choices=("sdx", "diffusers", "diffusers-e2e"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.blank_rows == "always" and (args.cache or args.end_to_end):
-        p.error("--blank-rows always changes programs their cache keys do not name: not with --cache or --end-to-end")
+    if args.blank_rows == "always" and args.end_to_end:
+        p.error("--blank-rows always is for the steady state: an --end-to-end run is `python -m sdx.sample`'s own")
     args.vae_dtype = args.vae_dtype or args.dtype
     return args
 

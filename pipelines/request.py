@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import control, guidance, text
+from pipelines import control, guidance, sampler, text
 from pipelines.control import Control
 from pipelines.family import Family
 from pipelines.sampler import START_IMAGE, START_LATENTS, START_NOISE, Inputs, Plan
@@ -196,6 +196,7 @@ def batches(
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
         decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
         inpaint=r.mask is not None, controlnets=len(r.controls), guess_mode=r.guess_mode and bool(r.controls),
+        blank_rows=jax.default_backend() in sampler.BLANK_ROWS_PLATFORMS,
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
 

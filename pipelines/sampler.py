@@ -114,7 +114,8 @@ class Plan:
     "latents" (continue given latents as they are: the refiner after the base);
     decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt;
     inpaint: a mask says what to repaint (`Inputs.mask`); controlnets: how many of the sampler's
-    ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`).
+    ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`); blank_rows: a zero
+    negative branch skips its cross-attentions (`Guidance.blank_rows`; set where `BLANK_ROWS_PLATFORMS` says).
     """
 
     family: Family
@@ -133,6 +134,7 @@ class Plan:
     inpaint: bool = False
     controlnets: int = 0
     guess_mode: bool = False
+    blank_rows: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -247,10 +249,9 @@ def _in_turns(fn: Callable, x: jax.Array, devices: int):
     return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(b, *o.shape[2:]), out)  # (B/D, D, ...) -> (B, ...)
 
 
-# The backends on which SDXL's zero negative branch skips its cross-attentions (`Guidance.blank_rows`).
-# Not GPUs until measured there: a GPU's XLA reads a conditional's predicate back to the host, a wait in
-# each attention (benchmarks/gpu_round.sh's blank_rows stage measures it). Not part of a program's key in
-# `pipelines.executables`: change it before any program is compiled, without a cache folder.
+# The backends on which SDXL's zero negative branch skips its cross-attentions (`Plan.blank_rows`, set
+# when a request is planned). Not GPUs until measured there: a GPU's XLA reads a conditional's predicate
+# back to the host, a wait in each attention (benchmarks/gpu_round.sh's blank_rows stage measures it).
 BLANK_ROWS_PLATFORMS: tuple[str, ...] = ("cpu",)
 
 
@@ -295,7 +296,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     both = plan.guidance.conditioning(cond, negative)
     nets = [models[name] for name in _controlnet_names(plan)]
     # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention
-    blank = plan.guidance.blank_rows(fam) if jax.default_backend() in BLANK_ROWS_PLATFORMS else None
+    blank = plan.guidance.blank_rows(fam) if plan.blank_rows else None
     control_blank = None if plan.guess_mode else blank  # guess mode runs a ControlNet on the text rows alone
     fixed = Fixed(both, models["unet"].text_context(both.context, blank), inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales,

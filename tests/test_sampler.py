@@ -69,13 +69,13 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
 def test_sdxl_without_a_negative_prompt_skips_the_negative_rows_cross_attentions(tiny_xl, monkeypatch):
     """force_zeros_for_empty_prompt: the negative branch reads zeros, so every attention that reads the
     text is traced with its shortcut for the blank rows (`sdx.layers.Attention._blank_rows`); a run
-    without guidance has no negative branch, and no shortcut; nor has a backend left out of
-    `BLANK_ROWS_PLATFORMS`, whose image is the same."""
+    without guidance has no negative branch, and no shortcut; nor has a request planned on a backend left
+    out of `BLANK_ROWS_PLATFORMS` (the plan holds it, so the same pipeline compiles that program anew),
+    whose image is the same."""
     traced = []
     shortcut = Attention._blank_rows
     monkeypatch.setattr(Attention, "_blank_rows", lambda self, *a: traced.append(self.key) or shortcut(self, *a))
-    load = lambda: Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
-    pipe = load()
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     assert pipe.family.force_zeros
     pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=1.0))
     assert traced == []
@@ -86,7 +86,7 @@ def test_sdxl_without_a_negative_prompt_skips_the_negative_rows_cross_attentions
 
     traced.clear()
     monkeypatch.setattr(sampler, "BLANK_ROWS_PLATFORMS", ())
-    computed = load()(guided)
+    computed = pipe(guided)
     assert traced == []
     np.testing.assert_allclose(skipped, computed, atol=1e-5)
     assert not np.array_equal(skipped, pipe(dataclasses.replace(guided, guidance_scale=4.0)))  # the images see guidance
