@@ -17,11 +17,12 @@ processes.configure_this_process()
 
 # -- the order of the test files under `pytest -n N --dist loadfile`
 
-# The files that take longest, longest first (seconds of one worker's time in a full `make test` on a
-# 2-core VM on a slow day, its 2048² float32 product at 138 GFLOP/s, 2026-11-27; keep the order when adding or speeding up tests). xdist hands out whole files, by
-# default those with the most tests first: these files, with few tests each, came last, and the worker
-# that drew them ran for minutes after the other had finished (1358 s against 1043 s). Given first, the
-# two workers end within seconds of each other; every other file follows in xdist's usual order.
+# The files that take longest, longest first (seconds of one worker's time in a full `make test` on a 2-core
+# VM on a slow day, its 2048² float32 product at 138 GFLOP/s, 2026-11-27; keep the order when adding or
+# speeding up tests). xdist hands out whole files, by default those with the most tests first: these files,
+# with few tests each, came last, and the worker that drew them ran for minutes after the other had finished
+# (1358 s against 1043 s). Given first, the two workers end within seconds of each other; every other file
+# follows in xdist's usual order.
 SLOW_FILES = (
     "tests/test_train_e2e.py",  # ~400
     "tests/test_sampler.py",  # ~375
