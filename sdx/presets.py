@@ -17,7 +17,10 @@ an 8-channel `conv_in`, which is what diffusers' `train_instruct_pix2pix_sdxl.py
 diffusers/sdxl-instructpix2pix-768.
 
 `tiny` / `tiny_xl` are small random-weight architectures for demos and smoke tests (SD 1.x-like and
-SDXL-like), using the real CLIP vocabulary so that the real tokenizers fit them.
+SDXL-like), using the real CLIP vocabulary so that the real tokenizers fit them. Their UNets have one
+resnet per level going down (two going up): the test suite compiles them hundreds of times, and a
+training step's compile grows with the depth (tests/mesh_train_child.py's run: 112 s with two, 78 s with
+one). The parity tests of `tests/test_unet.py` keep UNets of two layers per level.
 """
 
 from __future__ import annotations
@@ -331,7 +334,7 @@ _add(
 _add(
     "tiny", None, "StableDiffusionPipeline",
     {"unet": _unet(
-        attention_head_dim=8, block_out_channels=[32, 64], cross_attention_dim=32,
+        attention_head_dim=8, block_out_channels=[32, 64], cross_attention_dim=32, layers_per_block=1,
         down_block_types=["CrossAttnDownBlock2D", "DownBlock2D"], up_block_types=["UpBlock2D", "CrossAttnUpBlock2D"],
         sample_size=32),
      "vae": _TINY_VAE, "text_encoder": _tiny_text(hidden_act="quick_gelu"),
@@ -341,7 +344,7 @@ _add(
 _add(
     "tiny_xl", None, "StableDiffusionXLPipeline",
     # the two text encoders differ in width, as CLIP-L and bigG do (diffusers tells them apart by it)
-    {"unet": {**_SDXL_UNET, "attention_head_dim": [2, 4], "block_out_channels": [32, 64],
+    {"unet": {**_SDXL_UNET, "attention_head_dim": [2, 4], "block_out_channels": [32, 64], "layers_per_block": 1,
               "addition_time_embed_dim": 8, "projection_class_embeddings_input_dim": 64 + 6 * 8,
               "cross_attention_dim": 32 + 64, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
               "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"], "transformer_layers_per_block": [1, 2],
