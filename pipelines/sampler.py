@@ -437,6 +437,15 @@ class Sampler:
         self._decode32 = None  # (jitted decode, float32 VAE parameters), made when first needed
         self._unmap_encoders = mesh.devices.flat[0].platform == "cpu"
 
+    def update(self, name: str, module: nnx.Module) -> None:
+        """Model `name` replaced by `module`, of the same graph definition and shardings (new weights: a
+        training run's latest, validated every N steps). The compiled programs stay: they take the
+        parameters as arguments."""
+        graphdef, params = nnx.split(module)
+        if graphdef != self.graphdefs[name]:
+            raise ValueError(f"Sampler.update: the new {name!r} is not built like the old one; make a new Sampler")
+        self.models[name], self.params[name] = module, params
+
     def flops(self) -> dict[Plan, float]:
         """{plan: XLA's count of the floating-point operations of one run} for every plan compiled so far."""
         return {plan: programs.flops() for plan, programs in self._programs.items()}

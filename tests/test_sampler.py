@@ -338,6 +338,21 @@ def test_the_model_carries_its_compute_dtype(tiny_xl):
     assert 0 < diff.mean() < 4.0
 
 
+def test_update_takes_new_weights_of_the_same_structure_only(tiny_xl):
+    """Sampler.update (a training run's validation, train/diffusion.py) swaps a model's weights under the
+    compiled programs; a model built otherwise is refused (its programs would be other ones)."""
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    unet = pipe.sampler.models["unet"]
+    same = UNet2DConditionModel(unet.config, unet.compute, rngs=nnx.Rngs(5))
+    pipe.sampler.update("unet", same)
+    assert pipe.sampler.models["unet"] is same
+    assert jax.tree.leaves(pipe.sampler.params["unet"])[0] is jax.tree.leaves(nnx.state(same))[0]
+    wide = UNet2DConditionModel(dataclasses.replace(unet.config, in_channels=8), unet.compute, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="not built like the old one"):
+        pipe.sampler.update("unet", wide)
+    assert pipe.sampler.models["unet"] is same
+
+
 def test_sharded_equals_single_device(tiny_xl, tmp_path):
     script = textwrap.dedent(
         f"""

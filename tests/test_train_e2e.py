@@ -18,11 +18,12 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from PIL import Image
 from safetensors.numpy import load_file
 
+from pipelines import executables
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from pipelines.sampler import enable_compilation_cache
 from tests.processes import child_env
-from train import pix2pix, shapes
+from train import data, diffusion, pix2pix, shapes
 
 
 @pytest.fixture(scope="module")
@@ -58,15 +59,29 @@ def compilation_cache(tmp_path):
     jax_cache.reset_cache()
 
 
-def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_cache):
+def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_cache, monkeypatch):
+    """Also: validation every 2 steps, the second one with the programs the first compiled (it neither
+    compiles nor reads one) and the step's weights: its grid is what the written model samples."""
     root, model = setup
     a, b = root / "a", root / "b"
     Image.fromarray(np.full((40, 48, 3), 200, np.uint8)).save(root / "val.png")
     validation = ["--validation_prompt", "make the circle red", "--val_image_url_or_path", str(root / "val.png"),
-                  "--num_validation_images", "2", "--validation_steps", "4", "--validation_inference_steps", "2"]
+                  "--num_validation_images", "2", "--validation_steps", "2", "--validation_inference_steps", "2"]
+    programs, per_validation = [], []  # programs compiled or read (`executables.compile`), and how many in each validation
+    compile_, validate = executables.compile, diffusion.DiffusionTask.validate
+    monkeypatch.setattr(executables, "compile", lambda *a, **k: programs.append(a[0]) or compile_(*a, **k))
+
+    def counted(self, *args):
+        before = len(programs)
+        validate(self, *args)
+        per_validation.append(len(programs) - before)
+
+    monkeypatch.setattr(diffusion.DiffusionTask, "validate", counted)
     assert pix2pix.train(_argv(model, root / "ds", a, *validation)) == 0
-    grid = np.asarray(Image.open(a / "validation" / "step-000004.png"))
-    assert grid.shape == (32, 64, 3) and grid.std() > 0  # two 32 px images side by side
+    assert per_validation[0] >= 3 and per_validation[1] == 0, per_validation  # prepare, denoise, decode; then none
+    grids = [np.asarray(Image.open(a / "validation" / f"step-00000{s}.png")) for s in (2, 4)]
+    assert grids[1].shape == (32, 64, 3) and grids[1].std() > 0  # two 32 px images side by side
+    assert not np.array_equal(*grids)  # the second validation sampled the newer weights
     (b / "checkpoints").mkdir(parents=True)
     shutil.copytree(a / "checkpoints" / "2", b / "checkpoints" / "2")
     assert pix2pix.train(_argv(model, root / "ds", b, "--resume_from_checkpoint", "latest")) == 0
@@ -76,9 +91,12 @@ def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_ca
 
     pipe = Pipeline.load(a)
     assert pipe.family.pix2pix
-    image = np.zeros((1, 32, 32, 3), np.float32)
-    out = pipe(Request(prompts=["make the circle red"], height=32, width=32, steps=2, image=image))
-    assert out.shape == (1, 32, 32, 3) and np.isfinite(out).all()
+    image = data.load_image(root / "val.png", 32)[None]
+    out = pipe(Request(prompts=["make the circle red"], height=32, width=32, steps=2, image=image,
+                       num_images_per_prompt=2, seed=0, guidance_scale=5.0))  # the validation's request
+    assert out.shape == (2, 32, 32, 3) and np.isfinite(out).all()
+    drawn = np.concatenate(list((out * 255).round().astype(np.uint8)), axis=1)  # side by side, as the grid
+    assert np.abs(drawn.astype(int) - grids[1]).max() <= 1
 
 
 def _mesh_run(model, data, out: Path, *extra: str, resume: bool, processes: int = 1):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import types
 import sys
 from pathlib import Path
 
@@ -114,3 +115,31 @@ def test_decoder_only_keeps_the_encoder(world, demo_models):
     for k in encoder_side:
         assert changed[k].tobytes() == before[k].tobytes(), k
     assert all(not np.array_equal(changed[k], before[k]) for k in decoder_side if k.endswith("kernel"))
+
+
+def test_each_validation_after_the_first_runs_the_compiled_reconstruction():
+    """VAETask.validate with two VAEs of one structure (a run's weights at two validations): the second call
+    compiles nothing, and each picture is its own VAE's reconstruction (originals over reconstructions)."""
+    import jax
+    from flax import nnx
+
+    from sdx.layers import Compute
+    from train import vae as vaetask
+
+    config = vaetask.vae_config("tiny")
+    task = types.SimpleNamespace(fixed=np.random.default_rng(0).uniform(-1, 1, (2, 32, 32, 3)).astype(np.float32))
+    pictures = []
+    metrics = types.SimpleNamespace(image=lambda step, tag, grid: pictures.append(grid))
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    vaes = [AutoencoderKL(config, Compute(), rngs=nnx.Rngs(seed)) for seed in (0, 1)]
+    vaetask.VAETask.validate(task, vaes[0], 1, metrics)
+    before = len(compiles)
+    vaetask.VAETask.validate(task, vaes[1], 2, metrics)
+    assert len(compiles) == before
+    for vae, picture in zip(vaes, pictures):
+        recon = np.clip(np.asarray(vae(jnp.asarray(task.fixed))), -1, 1)
+        expected = ((np.concatenate(list(recon), axis=1) + 1) * 127.5).round()
+        assert np.abs(picture[32:].astype(int) - expected).max() <= 1
+    assert not np.array_equal(pictures[0][32:], pictures[1][32:])

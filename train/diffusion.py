@@ -73,6 +73,9 @@ class DiffusionTask:
 
         self._encode = jax.jit(encode)
         self.cache: cachelib.LatentCache | None = None
+        # validate's sampler, made at the first validation and kept: each later one runs the same programs
+        # (a new Sampler compiled them again, or read them from the cache folder when there is one)
+        self._validation: Sampler | None = None
 
     # ---- what the loop calls
 
@@ -127,9 +130,12 @@ class DiffusionTask:
     def validate(self, unet: nnx.Module, step: int, metrics) -> None:
         cfg, m = self.cfg, self.models
         factor = m.vae.config.downsample_factor
+        if self._validation is None:
+            self._validation = Sampler({"unet": unet, "vae": m.vae, **m.encoders}, self.mesh)
+        else:  # the programs the first validation compiled, with this step's weights
+            self._validation.update("unet", unet)
         pipe = Pipeline(family=m.family, scheduler=schedulers.from_config(m.scheduler_config), tokenizers=m.tokenizers,
-                        sampler=Sampler({"unet": unet, "vae": m.vae, **m.encoders}, self.mesh), factor=factor,
-                        multiple=factor, channels=m.vae.config.latent_channels,
+                        sampler=self._validation, factor=factor, multiple=factor, channels=m.vae.config.latent_channels,
                         default_size=_trained_size(unet.config.sample_size) * factor, name=f"{cfg.output_dir}@{step}")
         image = None
         if m.family.pix2pix:

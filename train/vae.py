@@ -67,6 +67,13 @@ def vae_loss(graphdef, cfg: TrainConfig):
     return fn
 
 
+@jax.jit
+def _reconstruct(vae: nnx.Module, x: jax.Array) -> jax.Array:
+    """The VAE's reconstruction of `x` from its posterior mode: traced and compiled once per run, as every
+    validation passes a VAE of the same structure."""
+    return vae(x)
+
+
 class VAETask:
     def __init__(self, cfg: TrainConfig, mesh, log=print):
         self.cfg, self.mesh, self.log = cfg, mesh, log
@@ -106,7 +113,7 @@ class VAETask:
     def validate(self, vae: nnx.Module, step: int, metrics) -> None:
         """Originals (top row) over their reconstructions from the posterior mode (bottom row)."""
         x = self.fixed
-        recon = np.asarray(jax.jit(lambda v, a: v(a))(vae, jnp.asarray(x)), np.float32)
+        recon = np.asarray(_reconstruct(vae, jnp.asarray(x)), np.float32)
         pair = np.concatenate([np.concatenate(list(x), axis=1), np.concatenate(list(recon), axis=1)], axis=0)
         metrics.image(step, "reconstruction", ((np.clip(pair, -1, 1) + 1) * 127.5).round().astype(np.uint8))
 
