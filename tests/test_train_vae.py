@@ -10,20 +10,24 @@ from __future__ import annotations
 
 import json
 import subprocess
-import types
 import sys
+import types
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file
 
 from convert.sources import read_vae_source
 from sdx import weights
+from sdx.layers import Compute
 from sdx.vae import AutoencoderKL, VAEConfig
 from tests.processes import child_env
 from train import shapes
+from train import vae as vaetask
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
@@ -120,12 +124,6 @@ def test_decoder_only_keeps_the_encoder(world, demo_models):
 def test_each_validation_after_the_first_runs_the_compiled_reconstruction():
     """VAETask.validate with two VAEs of one structure (a run's weights at two validations): the second call
     compiles nothing, and each picture is its own VAE's reconstruction (originals over reconstructions)."""
-    import jax
-    from flax import nnx
-
-    from sdx.layers import Compute
-    from train import vae as vaetask
-
     config = vaetask.vae_config("tiny")
     task = types.SimpleNamespace(fixed=np.random.default_rng(0).uniform(-1, 1, (2, 32, 32, 3)).astype(np.float32))
     pictures = []
