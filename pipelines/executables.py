@@ -20,7 +20,8 @@ dtype and sharding in the default layout, so keys can be known before the weight
 reading those files then, and `compile` takes what it has read (`Pipeline.load(first=...)`: while the
 weights load).
 The abstract models a load fills with weights are kept beside them (`abstract_model`): building one is
-Python work (SD 1.5's three 1.3 s, SDXL's four 2.3 s on a 2-core CPU) that a warm start would repeat.
+Python work (SD 1.5's three 1.3 s, SDXL's four 2.3 s on a 2-core CPU) that a warm start would repeat
+(within one process `ModelKind.abstract` keeps what it built).
 A file that cannot be read back is compiled again and replaced. A program kept here is compiled with
 JAX's cache off (see `_without_jax_cache`), so JAX does not keep a second copy.
 

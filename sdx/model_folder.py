@@ -90,7 +90,15 @@ class ModelKind:
         return self._get(self.model_class)(config, compute, rngs=rngs)
 
     def abstract(self, config, compute: Compute | None = None) -> nnx.Module:
-        return weights.abstract(lambda rngs: self.build(config, compute or Compute(), rngs))
+        """The model `build` would make, with shapes in place of arrays: a copy of its own (loading fills
+        it in place) of the one built for these arguments first in this process."""
+        return nnx.merge(*self._abstract_parts(config, compute or Compute()), copy=True)
+
+    @functools.lru_cache(maxsize=16)
+    def _abstract_parts(self, config, compute: Compute) -> tuple:
+        """nnx.split of the abstract model, built once (Python work: the tiny demo UNet's takes 0.5 s on a
+        2-core CPU, a copy of it 0.01 s)."""
+        return nnx.split(weights.abstract(lambda rngs: self.build(config, compute, rngs)))
 
     @functools.lru_cache(maxsize=8)
     def param_shapes(self, config) -> Mapping[str, tuple[int, ...]]:

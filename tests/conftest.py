@@ -106,3 +106,31 @@ def demo_models(tmp_path_factory, demo_build):
 
     demo.cache = cache
     return demo
+
+
+# -- what JAX does while a test runs
+
+
+@pytest.fixture
+def jax_events():
+    """jax_events(kind, fun_name=None) -> a list that gets the function name of each jax.monitoring event
+    "/jax/core/compile/{kind}_duration" (kind "backend_compile": XLA compiles a program; "jaxpr_trace": a
+    function is traced), of the function `fun_name` only when given, until the test ends."""
+    import jax
+
+    listeners = []
+
+    def record(kind: str, fun_name: str | None = None) -> list[str]:
+        seen, event = [], f"/jax/core/compile/{kind}_duration"
+
+        def listen(name, _secs, **fields):
+            if name == event and fun_name in (None, fields.get("fun_name")):
+                seen.append(fields.get("fun_name", ""))
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+        listeners.append(listen)
+        return seen
+
+    yield record
+    for listen in listeners:
+        jax.monitoring.unregister_event_duration_listener(listen)

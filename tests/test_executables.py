@@ -50,19 +50,10 @@ def kept(tmp_path, monkeypatch):
     executables._installed.cache_clear()
 
 
-def _traces(fn_name: str):
-    """A list that grows by one for each trace of a function called `fn_name` from now on."""
-    traced = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, fun_name="", **_: traced.append(1)
-        if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name == fn_name else None)
-    return traced
-
-
-def test_a_kept_program_is_loaded_without_tracing_and_computes_the_same(kept):
+def test_a_kept_program_is_loaded_without_tracing_and_computes_the_same(kept, jax_events):
     x, y = jnp.arange(6.0).reshape(2, 3), jnp.ones((2, 3))
     fn = functools.partial(_affine, scale=2.0, shift=0.5)
-    traced = _traces("_affine")
+    traced = jax_events("jaxpr_trace", "_affine")
     first = executables.compile(fn, x, y)
     assert len(traced) == 1 and len(list(kept.iterdir())) == 1
     again = executables.compile(fn, x, y)
@@ -159,7 +150,7 @@ def test_code_outside_the_keyed_modules_keeps_nothing(tmp_path, monkeypatch):
     assert executables.path_of(functools.partial(timestep_embedding, dim=8, flip_sin_to_cos=json.loads), (x,), {}) is None
 
 
-def test_stored_programs_are_taken_untraced_and_keys_named_after_another(kept):
+def test_stored_programs_are_taken_untraced_and_keys_named_after_another(kept, jax_events):
     x = jnp.ones((2, 2))
     first, second = (functools.partial(_affine, scale=float(k), shift=0.0) for k in (1, 2))
     made = executables.path_of(first, (x, x), {})
@@ -168,13 +159,13 @@ def test_stored_programs_are_taken_untraced_and_keys_named_after_another(kept):
                          executables.path_of(second, (x,), {}, after=executables.path_of(second, (x, x), {})))
     out = executables.compile(first, x, x)(x, x)
     executables.compile(second, x, out, path=after)
-    traced = _traces("_affine")
+    traced = jax_events("jaxpr_trace", "_affine")
     a, b = executables.compile(first, x, x, path=made), executables.compile(second, x, out, path=after)
     assert len(traced) == 0
     np.testing.assert_array_equal(b(x, a(x, x)), x + x * 2.0 + x * 1.0)
 
 
-def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_compile(kept, monkeypatch):
+def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_compile(kept, monkeypatch, jax_events):
     """`prefetch` reads at most PREFETCH_READERS programs at once (reading one holds about its size again: all
     at once while the weights load were a warm start's peak memory); `compile` takes each read, not read
     again, nor traced."""
@@ -194,7 +185,7 @@ def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_compile(kept,
         return read_file(path)
 
     monkeypatch.setattr(executables, "_read_file", counted)
-    traced = _traces("_affine")
+    traced = jax_events("jaxpr_trace", "_affine")
     executables.prefetch(paths)
     loaded = [executables.compile(fn, x, x, path=path) for fn, path in zip(fns, paths)]
     assert most[0] == executables.PREFETCH_READERS and sorted(calls) == sorted(paths) and not executables._PREFETCHED
@@ -203,13 +194,13 @@ def test_prefetched_programs_are_read_a_few_at_a_time_and_taken_by_compile(kept,
         np.testing.assert_array_equal(program(x, x), x + x * (k + 1.0))
 
 
-def test_a_damaged_file_is_compiled_again_and_replaced(kept):
+def test_a_damaged_file_is_compiled_again_and_replaced(kept, jax_events):
     x = jnp.ones((2, 2))
     fn = functools.partial(_affine, scale=5.0, shift=1.0)
     executables.compile(fn, x, x)
     (path,) = kept.iterdir()
     path.write_bytes(b"not an executable")
-    traced = _traces("_affine")
+    traced = jax_events("jaxpr_trace", "_affine")
     out = executables.compile(fn, x, x)(x, x)
     np.testing.assert_array_equal(out, np.full((2, 2), 7.0))
     assert len(traced) == 1
@@ -218,7 +209,7 @@ def test_a_damaged_file_is_compiled_again_and_replaced(kept):
     assert len(traced) == 1  # the replacement reads back
 
 
-def test_the_folder_keeps_under_its_cap_dropping_the_least_recently_used(kept, monkeypatch):
+def test_the_folder_keeps_under_its_cap_dropping_the_least_recently_used(kept, monkeypatch, jax_events):
     x = jnp.ones((2, 2))
     programs = [functools.partial(_affine, scale=float(k), shift=0.0) for k in range(4)]
     executables.compile(programs[0], x, x)
@@ -229,7 +220,7 @@ def test_the_folder_keeps_under_its_cap_dropping_the_least_recently_used(kept, m
     old = first.stat().st_mtime_ns - 10**9
     for path in kept.iterdir():  # both written a second ago, programs[0]'s first
         os.utime(path, ns=(old, old + (path != first)))
-    traced = _traces("_affine")
+    traced = jax_events("jaxpr_trace", "_affine")
     executables.compile(programs[0], x, x)  # read back: now the most recently used
     assert len(traced) == 0
     executables.compile(programs[2], x, x)  # a third: programs[1]'s file goes

@@ -295,6 +295,26 @@ def test_abstract_matches_a_real_build():
             assert flat(ours) == flat(ref), (preset, name)
 
 
+def test_abstract_is_built_once_and_each_call_gets_its_own_copy(monkeypatch):
+    """The second `abstract` for the same arguments builds nothing (the first one's parts are kept), and what
+    is done to one copy in place (a load fills its variables) leaves the other abstract."""
+    kind = model_folder.MODEL_KINDS["vae"]
+    config = kind.config_from_diffusers(presets.get("tiny").configs["vae"])
+    cp = Compute(attention_chunk=17)  # arguments no other test asks for: the first call here builds
+    builds = []
+    real = model_folder.ModelKind.build
+    monkeypatch.setattr(model_folder.ModelKind, "build", lambda self, *a, **k: builds.append(a) or real(self, *a, **k))
+    a, b = kind.abstract(config, cp), kind.abstract(config, cp)
+    assert len(builds) == 1
+    assert nnx.graphdef(a) == nnx.graphdef(b)
+    params = lambda m: dict(nnx.to_flat_state(nnx.state(m, nnx.Param)))  # noqa: E731
+    path, var = next(iter(params(a).items()))
+    var.set_value(jnp.ones(var.get_value().shape, var.get_value().dtype))
+    assert isinstance(params(b)[path].get_value(), jax.ShapeDtypeStruct)
+    assert isinstance(params(kind.abstract(config, cp))[path].get_value(), jax.ShapeDtypeStruct)
+    assert len(builds) == 1
+
+
 def _file_pages() -> int:
     """Bytes of file-backed memory this process has mapped (Linux)."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())

@@ -42,11 +42,8 @@ def tiny_xl(tmp_path_factory, demo_build) -> Path:
     return demo_build("tiny_xl", tmp_path_factory.mktemp("demo"))
 
 
-def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl):
-    backend_compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: backend_compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
-    )
+def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl, jax_events):
+    backend_compiles = jax_events("backend_compile")
     pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     base = Request(prompts=["a lighthouse"], height=64, width=64, steps=3, seed=0, guidance_scale=5.0)
     bar = Bar()
@@ -177,17 +174,14 @@ def test_a_warm_start_loads_every_program_without_tracing_it(tiny_xl, tmp_path):
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), first)
 
 
-def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_path, monkeypatch):
+def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_path, monkeypatch, jax_events):
     """A researcher's own text encoder class (from a module no key covers) leaves `prepare` uncachable
     here; denoise and decode, which take its outputs, are then keyed by all their arguments and still
     kept: a second pipeline traces prepare again, but neither of them."""
     monkeypatch.setattr(executables, "folder", lambda: tmp_path)
     mesh = meshlib.make_mesh(devices=jax.devices()[:1])
     request = Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=5.0)
-    traced = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, fun_name="", **_: traced.append(fun_name.removeprefix("jit(").removesuffix(")"))
-        if event == "/jax/core/compile/jaxpr_trace_duration" else None)
+    traced = jax_events("jaxpr_trace")
     images = []
     for _ in range(2):
         pipe = Pipeline.load(tiny_xl, mesh=mesh)

@@ -14,7 +14,6 @@ import sys
 import types
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -121,16 +120,14 @@ def test_decoder_only_keeps_the_encoder(world, demo_models):
     assert all(not np.array_equal(changed[k], before[k]) for k in decoder_side if k.endswith("kernel"))
 
 
-def test_each_validation_after_the_first_runs_the_compiled_reconstruction():
+def test_each_validation_after_the_first_runs_the_compiled_reconstruction(jax_events):
     """VAETask.validate with two VAEs of one structure (a run's weights at two validations): the second call
     compiles nothing, and each picture is its own VAE's reconstruction (originals over reconstructions)."""
     config = vaetask.vae_config("tiny")
     task = types.SimpleNamespace(fixed=np.random.default_rng(0).uniform(-1, 1, (2, 32, 32, 3)).astype(np.float32))
     pictures = []
     metrics = types.SimpleNamespace(image=lambda step, tag, grid: pictures.append(grid))
-    compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, **_: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    compiles = jax_events("backend_compile")
     vaes = [AutoencoderKL(config, Compute(), rngs=nnx.Rngs(seed)) for seed in (0, 1)]
     vaetask.VAETask.validate(task, vaes[0], 1, metrics)
     before = len(compiles)
