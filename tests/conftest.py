@@ -113,18 +113,19 @@ def demo_models(tmp_path_factory, demo_build):
 
 @pytest.fixture
 def jax_events():
-    """jax_events(kind, fun_name=None) -> a list that gets the function name of each jax.monitoring event
+    """jax_events(kind=None, fun_name=None) -> a list that gets the function name of each jax.monitoring event
     "/jax/core/compile/{kind}_duration" (kind "backend_compile": XLA compiles a program; "jaxpr_trace": a
-    function is traced), of the function `fun_name` only when given, until the test ends."""
+    function is traced; None: every duration event), of the function `fun_name` only when given, until the
+    test ends."""
     import jax
 
     listeners = []
 
-    def record(kind: str, fun_name: str | None = None) -> list[str]:
-        seen, event = [], f"/jax/core/compile/{kind}_duration"
+    def record(kind: str | None = None, fun_name: str | None = None) -> list[str]:
+        seen, event = [], None if kind is None else f"/jax/core/compile/{kind}_duration"
 
         def listen(name, _secs, **fields):
-            if name == event and fun_name in (None, fields.get("fun_name")):
+            if event in (None, name) and fun_name in (None, fields.get("fun_name")):
                 seen.append(fields.get("fun_name", ""))
 
         jax.monitoring.register_event_duration_secs_listener(listen)

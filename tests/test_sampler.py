@@ -197,7 +197,7 @@ def test_a_prepare_without_a_key_still_keeps_the_unet_and_the_vae(tiny_xl, tmp_p
     np.testing.assert_array_equal(images[1], images[0])
 
 
-def test_the_first_request_s_programs_are_read_while_the_weights_load(tiny_xl, tmp_path, monkeypatch):
+def test_the_first_request_s_programs_are_read_while_the_weights_load(tiny_xl, tmp_path, monkeypatch, jax_events):
     """`Pipeline.load(first=...)` keys the first request's programs from the abstract models (shapes and
     shardings, no weights) and starts reading them before any weight is read; the loaded pipeline takes them
     from there (so the keys match the loaded arrays'): nothing is traced or compiled, and the image is the
@@ -213,15 +213,13 @@ def test_the_first_request_s_programs_are_read_while_the_weights_load(tiny_xl, t
     reading, materialize = [], weights.materialize
     monkeypatch.setattr(weights, "materialize", lambda *a, **k: (
         reading.append(sorted(p.name.split("-")[0] for p in executables._PREFETCHED)), materialize(*a, **k))[1])
-    events = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _secs, fun_name="", **_: events.append((event, fun_name)))
+    events = jax_events()
     pipe = Pipeline.load(tiny_xl, mesh=mesh, first=lambda shell: dataclasses.replace(request, prompts=["a boat"]))
     assert reading[0] == ["_decode", "_denoise", "_prepare"], reading
     images = pipe(request)
     assert not executables._PREFETCHED, "every prefetched program taken"
     programs = {"_prepare", "_denoise", "_decode", "jit(_prepare)", "jit(_denoise)", "jit(_decode)"}
-    assert not [e for e in events if e[1] in programs], events
+    assert not [name for name in events if name in programs], events
     np.testing.assert_array_equal(images, expected)
 
     reading.clear()
