@@ -131,7 +131,7 @@ def run_sdx(args) -> dict:
     host = batch_arrays(args, raw)
     null = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in host.items() if k in ("context", "pooled")}
     graphdef, params = nnx.split(model, nnx.Param)
-    tx = optimizer.adamw(1e-4, max_grad_norm=1.0)
+    tx = optimizer.AdamW(1e-4, max_grad_norm=1.0)
     state = steplib.init_state(params, tx, use_ema=False)
     mesh = meshlib.make_mesh(1, devices=jax.devices()[:1])
     host["index"] = np.arange(args.batch)
@@ -139,7 +139,7 @@ def run_sdx(args) -> dict:
     seed = jax.random.key(0)
     t0 = time.perf_counter()
     fn = steplib.compile_step(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}, seed, mesh,
-                              loss_fn=denoise.loss_fn(graphdef, loss_cfg, null), tx=tx, accumulation=1, ema=None,
+                              constants=null, loss_fn=denoise.loss_fn(graphdef, loss_cfg), tx=tx, accumulation=1, ema=None,
                               learning_rate=lambda s: 1e-4)
     compile_s = time.perf_counter() - t0
     holder = {"state": state}

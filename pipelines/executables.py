@@ -6,9 +6,10 @@ still traces the function and lowers it first. For SD 1.5 on a 2-core CPU that i
 warm start (the UNet's trace alone is 1 s; SDXL's is longer), against 0.9 s to read the executables.
 
 This cache keys a program by what determines it instead: the function and everything it closes over
-(its `functools.partial` arguments: graph definitions, the plan, dtypes), the shapes, dtypes, weak types,
-shardings and layouts of its arguments, the jit and compiler options, and the environment it was compiled in (the
-sdx source, the versions of Python, numpy, jax, jaxlib, flax and ml_dtypes, every `jax.config` value, `XLA_FLAGS`,
+(its `functools.partial` arguments: graph definitions, the plan, dtypes; a training step's loss, optimizer
+and schedule), the shapes, dtypes, weak types, shardings and layouts of its arguments, the jit and compiler
+options, and the environment it was compiled in (the sdx source, the versions of Python, numpy, jax,
+jaxlib, flax, optax and ml_dtypes, every `jax.config` value, `XLA_FLAGS`,
 the devices). Anything in a key that has no stable text (an array, a lambda, an object printed by
 address, a class or function from a module that is neither this repository's nor a keyed library's,
 such as a researcher's own block) makes the program uncachable here: it is compiled as usual, and JAX's
@@ -57,7 +58,7 @@ from sdx import io
 from sdx.errors import SdxError
 
 PACKAGES = ("sdx", "pipelines", "train", "convert")  # this repository's code, keyed by its source
-LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "ml_dtypes", "builtins", "functools", "operator")  # by version
+LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "ml_dtypes", "builtins", "functools", "operator")  # by version
 ROOT = Path(__file__).resolve().parents[1]
 MAX_BYTES = 2 * 2**30  # the folder's size while jax_compilation_cache_max_size is -1 (no limit for JAX's own)
 
@@ -259,7 +260,7 @@ def _installed() -> str:
     return "\n".join((
         f"python {sys.version}", f"numpy {np.__version__}", f"jax {jax.__version__}",
         f"jaxlib {metadata.version('jaxlib')}", f"ml_dtypes {metadata.version('ml_dtypes')}",
-        f"flax {flax.__version__}", f"sdx source {source_digest(ROOT)}",
+        f"flax {flax.__version__}", f"optax {metadata.version('optax')}", f"sdx source {source_digest(ROOT)}",
         f"platform {jax.devices()[0].client.platform_version}", f"devices {devices}",
     ))
 
@@ -329,6 +330,8 @@ def _text(x) -> str:
         return f"{_name(kind)}({{{', '.join(f'{_text(k)}: {_text(v)}' for k, v in x.items())}}})"
     if kind is nnx.GraphDef:
         return _graph_text(x)
+    if isinstance(x, nnx.Variable):  # a model state's leaf, as in a training step's tree of shardings
+        return f"{_name(kind)}({_text(x.get_value())}, {_text(x.get_metadata())})"
     if dataclasses.is_dataclass(x):
         return _dataclass_text(x)
     raise Unkeyable(kind.__name__)

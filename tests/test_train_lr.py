@@ -92,6 +92,17 @@ def test_bad_schedules_are_errors():
         lrlib.schedule("piecewise_constant", 1e-4, step_rules="1:x,0.1")
 
 
+def test_a_schedule_holds_only_what_its_curve_reads():
+    """Runs that differ in a setting their curve ignores (a constant rate's --max_train_steps) get equal
+    schedules, and so the same compiled step (`pipelines.executables` keys it by the schedule's fields)."""
+    assert lrlib.schedule("constant", 1e-4, total_steps=12) == lrlib.schedule("constant", 1e-4, total_steps=1000)
+    assert (lrlib.schedule("constant_with_warmup", 1e-4, warmup_steps=3, total_steps=12, power=2.0)
+            == lrlib.schedule("constant_with_warmup", 1e-4, warmup_steps=3, total_steps=1000))
+    assert lrlib.schedule("cosine", 1e-4, total_steps=12) != lrlib.schedule("cosine", 1e-4, total_steps=1000)
+    assert (lrlib.schedule("piecewise_constant", 1e-4, step_rules="1:10,0.1", warmup_steps=5)
+            != lrlib.schedule("piecewise_constant", 1e-4, step_rules="1:20,0.1"))
+
+
 def test_scale_lr():
     assert lrlib.scale_lr(1e-4, accumulation=4, batch_size=8, devices=2) == pytest.approx(1e-4 * 64)
 
@@ -104,7 +115,7 @@ def test_scale_lr():
 @pytest.mark.parametrize("max_grad_norm", [1.0, 100.0, None])
 def test_adamw_matches_torch(max_grad_norm, frozen):
     """clip_grad_norm_ + AdamW under diffusers' cosine schedule with warm-up, on the same gradients. With
-    `frozen` names, torch's optimizer and clipping get the other parameters only (optimizer.frozen_except):
+    `frozen` names, torch's optimizer and clipping get the other parameters only (optimizer.FrozenExcept):
     "b"'s large gradients must neither move it nor enter the clipping norm."""
     rng = np.random.default_rng(0)
     shapes = {"w": (4, 3), "b": (3,), "tiny": (2,)}
@@ -120,8 +131,8 @@ def test_adamw_matches_torch(max_grad_norm, frozen):
                              weight_decay=hp["weight_decay"], eps=hp["eps"])
     tsched = get_scheduler("cosine", topt, num_warmup_steps=kw["warmup"], num_training_steps=kw["total"])
 
-    plain = optlib.adamw(ours("cosine", kw, peak=1e-2), max_grad_norm=max_grad_norm, **hp)
-    tx = optlib.frozen_except(plain, {k: k in frozen for k in shapes}) if frozen else plain
+    plain = optlib.AdamW(ours("cosine", kw, peak=1e-2), max_grad_norm=max_grad_norm, **hp)
+    tx = optlib.FrozenExcept(plain, {k: k in frozen for k in shapes}) if frozen else plain
     params = {k: jnp.asarray(v) for k, v in init.items()}
     state = tx.init(params)
     step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))

@@ -85,7 +85,7 @@ def run_steps(mesh, fsdp_min_size: int, steps: int = 2) -> dict[str, np.ndarray]
     state = steplib.init_state(params, tx, use_ema=True)
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _batch(0).items()}
     seed = jax.random.key(7)
-    fn = steplib.compile_step(state, shapes, seed, mesh, loss_fn=denoise.loss_fn(graphdef, cfg, null), tx=tx,
+    fn = steplib.compile_step(state, shapes, seed, mesh, constants=null, loss_fn=denoise.loss_fn(graphdef, cfg), tx=tx,
                               accumulation=2, ema=ema.EMAConfig(decay=0.9), learning_rate=lambda s: 1e-3)
     losses, norms = [], []
     for i in range(steps):

@@ -1,5 +1,6 @@
 """The training step: its loss and gradients against diffusers' UNet + DDPMScheduler in PyTorch for the same
-batch, noise, timesteps and dropout; gradient accumulation equals the big batch; a tiny model overfits."""
+batch, noise, timesteps and dropout; gradient accumulation equals the big batch; a tiny model overfits; the
+loop's step is kept by `pipelines.executables`, keyed by its settings, and read back untraced."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ import optax
 import pytest
 from flax import nnx
 
+from pipelines import executables
 from pipelines.family import Family
 from sdx import mesh as meshlib
 from sdx import schedulers, unet as U, weights as W
 from sdx.vae import VAEConfig
 from train import denoise, objective
+from train import ema as emalib
+from train import lr as lrlib
+from train import optimizer as optlib
 from train import step as steplib
 
 torch = pytest.importorskip("torch")
@@ -85,8 +90,9 @@ def test_loss_and_gradients_match_diffusers(case):
     batch = _batch(6, pix2pix)
     graphdef, params = nnx.split(model)
     keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
-    fn = denoise.loss_fn(graphdef, cfg, jax.tree.map(jnp.asarray, NULL))
-    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys)
+    fn = denoise.loss_fn(graphdef, cfg)
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys,
+                                                                     jax.tree.map(jnp.asarray, NULL))
 
     # the draws, from the same keys
     latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
@@ -134,19 +140,17 @@ def test_loss_and_gradients_match_diffusers(case):
         assert err < 1e-4
 
 
-def _step(model, batch, accumulation, tx=None):
+def _step(model, batch, accumulation):
     fam = Family(xl=True, pix2pix=False, aesthetic=False, encoders=("text_encoder", "text_encoder_2"), force_zeros=True)
     cfg = denoise.DenoiseConfig(family=fam, scheduler=schedulers.from_name("ddpm", SCHED), vae=VAE,
                                 prediction_type="epsilon", text_drop=0.3)
     graphdef, params = nnx.split(model)
-    tx = tx or optax.sgd(0.1)
+    tx = optax.sgd(0.1)
     state = steplib.init_state(params, tx, use_ema=True)
     mesh = meshlib.make_mesh(1)
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
-    from train import ema
-
-    fn = steplib.compile_step(state, shapes, jax.random.key(0), mesh, loss_fn=denoise.loss_fn(graphdef, cfg, jax.tree.map(jnp.asarray, NULL)),
-                              tx=tx, accumulation=accumulation, ema=ema.EMAConfig(decay=0.9), learning_rate=lambda s: 0.1)
+    fn = steplib.compile_step(state, shapes, jax.random.key(0), mesh, constants=NULL, loss_fn=denoise.loss_fn(graphdef, cfg),
+                              tx=tx, accumulation=accumulation, ema=emalib.EMAConfig(decay=0.9), learning_rate=lambda s: 0.1)
     return fn, state
 
 
@@ -166,14 +170,79 @@ def test_accumulation_equals_one_big_batch():
     assert int(s2.step) == 1
 
 
-def test_tiny_model_overfits_a_repeated_batch():
-    _, model = _models(4)
+def _loop_step(model, batch, *, schedule=("constant", 1e-3), beta2=0.999, decay=0.9, snr_gamma=None) -> dict:
+    """`compile_step`'s arguments as train/loop.py makes them: every piece a value (AdamW under a train.lr
+    schedule, EMA, the denoising loss), so `pipelines.executables` keys the program."""
+    fam = Family(xl=True, pix2pix=False, aesthetic=False, encoders=("text_encoder", "text_encoder_2"), force_zeros=True)
+    cfg = denoise.DenoiseConfig(family=fam, scheduler=schedulers.from_name("ddpm", SCHED), vae=VAE,
+                                prediction_type="epsilon", text_drop=0.3, snr_gamma=snr_gamma)
+    graphdef, params = nnx.split(model)
+    learning_rate = lrlib.schedule(*schedule, warmup_steps=2, total_steps=10)
+    tx = optlib.AdamW(learning_rate, beta2=beta2, max_grad_norm=1.0)
+    shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}
+    return dict(state=steplib.init_state(params, tx, use_ema=True), batch_shapes=shapes, seed_key=jax.random.key(0),
+                mesh=meshlib.make_mesh(1), constants=NULL, loss_fn=denoise.loss_fn(graphdef, cfg), tx=tx, accumulation=1,
+                ema=emalib.EMAConfig(decay=decay), learning_rate=learning_rate)
+
+
+def test_tiny_model_overfits_and_a_later_run_reads_its_step_back_untraced(tmp_path, monkeypatch, jax_events):
+    """The loop's step overfits a repeated batch. A later run of the same configuration (a resumed one) takes
+    the compiled step from the cache folder without tracing it, and steps to the same state."""
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
     batch = _batch(4, False)
-    fn, state = _step(model, batch, 1, tx=optax.adam(1e-3))
+    traced = jax_events("jaxpr_trace", "train_step")
+    _, model = _models(4)
+    kw = _loop_step(model, batch)
+    fn, state = steplib.compile_step(**kw), kw["state"]
     losses = []
-    for _ in range(40):
-        state, m = fn(state, batch, jax.random.key(0))
+    for i in range(40):
+        state, m = fn(state, batch, kw["seed_key"])
         losses.append(float(m["loss"]))
-    first, last = np.mean(losses[:5]), np.mean(losses[-5:])
-    print("loss", first, "->", last)
-    assert last < 0.6 * first
+        if i == 0:
+            first = [np.asarray(x) for x in jax.tree.leaves(state)]
+    first_loss, last_loss = np.mean(losses[:5]), np.mean(losses[-5:])
+    print("loss", first_loss, "->", last_loss)
+    assert last_loss < 0.6 * first_loss
+    assert len(traced) == 1 and [p.name.split("-")[0] for p in tmp_path.iterdir()] == ["train_step"]
+
+    _, model = _models(4)
+    kw = _loop_step(model, batch)
+    state, _ = steplib.compile_step(**kw)(kw["state"], batch, kw["seed_key"])
+    assert len(traced) == 1  # read back
+    for a, b in zip(first, jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_the_loop_s_step_is_keyed_by_every_setting_of_its_loss_optimizer_schedule_and_ema(tmp_path, monkeypatch):
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    _, model = _models(4)
+    batch = _batch(2, False)
+
+    def key(**change):
+        kw = _loop_step(model, batch, **change)
+        fn, args, options = steplib.step_program(**kw)
+        return executables.path_of(fn, args, options)
+
+    changed = [key(schedule=("constant", 2e-3)), key(schedule=("cosine", 1e-3)), key(beta2=0.99), key(decay=0.99),
+               key(snr_gamma=5.0)]
+    assert None not in changed and len({key(), *changed}) == 6
+
+
+def test_a_vae_step_with_a_frozen_encoder_is_keyed_too(tmp_path, monkeypatch):
+    """The VAE's loss and `optimizer.FrozenExcept` (--decoder_only) are values as well: the step is kept."""
+    from sdx.vae import AutoencoderKL
+    from train.vae import ENCODER_SIDE, VAELoss, vae_loss
+
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    vae = W.abstract(lambda r: AutoencoderKL(VAE, rngs=r))
+    graphdef, params = nnx.split(vae, nnx.Param)
+    params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
+    frozen = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key in ENCODER_SIDE, params)
+    schedule = lrlib.schedule("constant", 1e-4)
+    program = lambda decoder_only: steplib.step_program(
+        steplib.init_state(params, optlib.FrozenExcept(optlib.AdamW(schedule), frozen), use_ema=False),
+        {"pixels": jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32), "index": jax.ShapeDtypeStruct((2,), jnp.int32)},
+        jax.random.key(0), meshlib.make_mesh(1), loss_fn=vae_loss(graphdef, VAELoss("l1", 1e-6, decoder_only)),
+        tx=optlib.FrozenExcept(optlib.AdamW(schedule), frozen), accumulation=1, ema=None, learning_rate=schedule)
+    keys = [executables.path_of(*program(d)) for d in (True, False)]
+    assert None not in keys and keys[0] != keys[1]

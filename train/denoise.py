@@ -13,6 +13,7 @@ noise and input perturbation included), the timestep and the conditioning dropou
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import jax
@@ -61,30 +62,31 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module], batch:
     return jax.lax.stop_gradient(out)
 
 
-def loss_fn(graphdef, cfg: DenoiseConfig, null: Mapping[str, jax.Array]):
-    """(params, batch, keys) -> (loss, {}) for `train.step`; `null`: the null text conditioning
-    {"context": (77, D), "pooled": (P,)} the pipeline uses without a (negative) prompt."""
+def loss_fn(graphdef, cfg: DenoiseConfig) -> functools.partial:
+    """(params, batch, keys, null) -> (loss, {}) for `train.step`; `null` (the step's constants): the null
+    text conditioning {"context": (77, D), "pooled": (P,)} the pipeline uses without a (negative) prompt. A
+    partial of module functions and values, so a compiled step is keyed by it (`pipelines.executables`)."""
+    return functools.partial(_loss, graphdef, cfg)
+
+
+def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     sched = cfg.scheduler
-
-    def fn(params, batch, keys):
-        unet = nnx.merge(graphdef, params)
-        latents = objective.sample_latents(keys, batch["moments"], cfg.vae)
-        noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
-        t = objective.timesteps(keys, sched.num_train_timesteps)
-        noisy = training.add_noise(sched, latents, noise_in, t)
-        cond = objective.mix_conditioning(*_dropout(cfg, keys), batch, null)
-        added = {"text_embeds": cond["pooled"], "time_ids": batch["time_ids"]} if cfg.family.xl else None
-        model_in = noisy
-        if cfg.family.pix2pix:
-            model_in = jnp.concatenate([noisy, cond["image_latents"].astype(noisy.dtype)], axis=-1)  # (B, h, w, 2C)
-        pred = unet(model_in, t, cond["context"], added).astype(jnp.float32)
-        target = objective.target(sched, cfg.prediction_type, latents, noise, t)
-        weights = None
-        if cfg.snr_gamma is not None:
-            weights = objective.min_snr_weights(sched, t, cfg.snr_gamma, cfg.prediction_type)
-        return objective.loss(pred, target, weights), {}
-
-    return fn
+    unet = nnx.merge(graphdef, params)
+    latents = objective.sample_latents(keys, batch["moments"], cfg.vae)
+    noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
+    t = objective.timesteps(keys, sched.num_train_timesteps)
+    noisy = training.add_noise(sched, latents, noise_in, t)
+    cond = objective.mix_conditioning(*_dropout(cfg, keys), batch, null)
+    added = {"text_embeds": cond["pooled"], "time_ids": batch["time_ids"]} if cfg.family.xl else None
+    model_in = noisy
+    if cfg.family.pix2pix:
+        model_in = jnp.concatenate([noisy, cond["image_latents"].astype(noisy.dtype)], axis=-1)  # (B, h, w, 2C)
+    pred = unet(model_in, t, cond["context"], added).astype(jnp.float32)
+    target = objective.target(sched, cfg.prediction_type, latents, noise, t)
+    weights = None
+    if cfg.snr_gamma is not None:
+        weights = objective.min_snr_weights(sched, t, cfg.snr_gamma, cfg.prediction_type)
+    return objective.loss(pred, target, weights), {}
 
 
 def _dropout(cfg: DenoiseConfig, keys):

@@ -61,7 +61,7 @@ class DiffusionTask:
                                         random_flip=cfg.random_flip, seed=cfg.seed,
                                         tokenize=tokenizer_fn(fam, m.tokenizers))
         text_dtype = models.computes(cfg)["text"].dtype
-        self.null = null_conditioning(fam, m.encoders, m.tokenizers, text_dtype)
+        self.constants = null_conditioning(fam, m.encoders, m.tokenizers, text_dtype)  # the loss's `null`
         graphdef, self._frozen = nnx.split(nnx.Dict({"vae": m.vae, **m.encoders}))
 
         def encode(frozen, batch):
@@ -125,7 +125,7 @@ class DiffusionTask:
         return jax.eval_shape(self._encode, self._frozen, arrays)
 
     def loss_fn(self, graphdef):
-        return denoise.loss_fn(graphdef, self.loss_config, self.null)
+        return denoise.loss_fn(graphdef, self.loss_config)
 
     def validate(self, unet: nnx.Module, step: int, metrics) -> None:
         cfg, m = self.cfg, self.models

@@ -43,10 +43,11 @@ class Task(Protocol):
     """What one kind of training adds to the loop (see train/diffusion.py, train/vae.py). A task may also
     have `prepare_data(source, output_dir) -> dict`, extra keyword arguments of `data.make_loader` (the
     latent cache's, train/cache.py), and `frozen(params) -> tree of bools or None`, the parameters of
-    `module` that the optimizer leaves alone (`optimizer.frozen_except`; the VAE's encoder under
+    `module` that the optimizer leaves alone (`optimizer.FrozenExcept`; the VAE's encoder under
     --decoder_only)."""
 
     module: nnx.Module  # the trainable model, placed on the mesh
+    constants: dict[str, jax.Array]  # arrays the loss reads besides the batch, fixed for the run
 
     def batch_shapes(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]: ...
     def step_batch(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.Array]: ...
@@ -91,7 +92,7 @@ def make_optimizer(cfg: TrainConfig, total_steps: int):
     sched = lr.schedule(cfg.lr_scheduler, learning_rate(cfg), warmup_steps=cfg.lr_warmup_steps,
                         total_steps=total_steps, num_cycles=cfg.lr_num_cycles, power=cfg.lr_power,
                         step_rules=cfg.lr_step_rules)
-    tx = optimizer.adamw(sched, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, weight_decay=cfg.adam_weight_decay,
+    tx = optimizer.AdamW(sched, beta1=cfg.adam_beta1, beta2=cfg.adam_beta2, weight_decay=cfg.adam_weight_decay,
                          eps=cfg.adam_epsilon, max_grad_norm=cfg.max_grad_norm or None)
     return tx, sched
 
@@ -127,7 +128,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     tx, lr_schedule = make_optimizer(cfg, sched.total)
     frozen = task.frozen(params) if hasattr(task, "frozen") else None
     if frozen is not None:
-        tx = optimizer.frozen_except(tx, frozen)
+        tx = optimizer.FrozenExcept(tx, frozen)
     ema = ema_config(cfg)
     state = steplib.init_state(params, tx, use_ema=ema is not None)
     prepare = getattr(task, "prepare_data", None)  # --cache_latents: the loader reads the cache instead of images
@@ -146,7 +147,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     it = iter(loader)
     first = next(it)
     compiled = steplib.compile_step(
-        state, meshlib.global_batch_shapes(task.batch_shapes(first)), seed_key, mesh,
+        state, meshlib.global_batch_shapes(task.batch_shapes(first)), seed_key, mesh, constants=task.constants,
         loss_fn=task.loss_fn(graphdef), tx=tx, accumulation=cfg.gradient_accumulation_steps, ema=ema,
         learning_rate=lr_schedule,
     )

@@ -28,6 +28,7 @@ Denominators are max(1, ·) as in diffusers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -35,8 +36,66 @@ import jax.numpy as jnp
 
 from sdx.errors import SdxError
 
-SCHEDULES = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
-             "piecewise_constant")
+# what each curve reads besides the peak rate: the others keep their defaults, so that runs differing only in
+# them (a constant rate with another --max_train_steps) have equal schedules, and the same compiled step
+READS = {
+    "constant": (),
+    "constant_with_warmup": ("warmup_steps",),
+    "linear": ("warmup_steps", "total_steps"),
+    "cosine": ("warmup_steps", "total_steps"),
+    "cosine_with_restarts": ("warmup_steps", "total_steps", "num_cycles"),
+    "polynomial": ("warmup_steps", "total_steps", "power", "lr_end"),
+    "piecewise_constant": ("step_rules",),
+}
+SCHEDULES = tuple(READS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A learning-rate curve as a value (`schedule` makes it): called with optax's count, it gives the
+    float32 rate. Being a plain dataclass of numbers, a compiled training step that reads it is keyed by
+    its fields (`pipelines.executables`)."""
+
+    name: str
+    learning_rate: float
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    num_cycles: int = 1
+    power: float = 1.0
+    lr_end: float = 1e-7
+    step_rules: str | None = None
+
+    def __call__(self, count: jax.Array) -> jax.Array:
+        k = jnp.asarray(count).astype(jnp.float32)
+        return (self.learning_rate * self._multiplier(k)).astype(jnp.float32)
+
+    def _multiplier(self, k):  # k: f32 scalar
+        name, W, T = self.name, self.warmup_steps, self.total_steps
+        warmup = k / max(1.0, W)
+        span = max(1, (T or 0) - W)
+        if name == "constant":
+            return jnp.ones_like(k)
+        if name == "constant_with_warmup":
+            return jnp.where(k < W, warmup, 1.0)
+        if name == "linear":
+            return jnp.where(k < W, warmup, jnp.maximum(0.0, (T - k) / span))
+        progress = (k - W) / span
+        if name == "cosine":
+            after = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * 0.5 * 2.0 * progress)))
+        elif name == "cosine_with_restarts":
+            after = jnp.where(progress >= 1.0, 0.0,
+                              jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * jnp.mod(self.num_cycles * progress, 1.0)))))
+        elif name == "polynomial":
+            remaining = jnp.maximum(1.0 - progress, 0.0)
+            lr = jnp.where(k > T, self.lr_end, (self.learning_rate - self.lr_end) * remaining**self.power + self.lr_end)
+            return jnp.where(k < W, warmup, lr / self.learning_rate)
+        else:  # piecewise_constant: no warm-up, as diffusers
+            rules, last = _parse_rules(self.step_rules)
+            after = jnp.full_like(k, last)
+            for boundary, value in reversed(rules):
+                after = jnp.where(k < boundary, value, after)
+            return after
+        return jnp.where(k < W, warmup, after)
 
 
 def scale_lr(learning_rate: float, accumulation: int, batch_size: int, devices: int) -> float:
@@ -61,9 +120,9 @@ def _parse_rules(step_rules: str) -> tuple[list[tuple[int, float]], float]:
 
 
 def schedule(name: str, learning_rate: float, *, warmup_steps: int = 0, total_steps: int | None = None,
-             num_cycles: int = 1, power: float = 1.0, lr_end: float = 1e-7, step_rules: str | None = None):
+             num_cycles: int = 1, power: float = 1.0, lr_end: float = 1e-7, step_rules: str | None = None) -> Schedule:
     """The optax schedule `count -> f32 lr` of diffusers' `get_scheduler(name, ...)` with peak
-    `learning_rate` (see the module docstring for the curves and the step convention)."""
+    `learning_rate` (see the module docstring for the curves and the step convention), checked."""
     if name not in SCHEDULES:
         raise SdxError(f"unknown learning-rate schedule {name!r} (choose from {', '.join(SCHEDULES)})")
     if warmup_steps < 0:
@@ -78,43 +137,10 @@ def schedule(name: str, learning_rate: float, *, warmup_steps: int = 0, total_st
         if total_steps <= warmup_steps:
             raise SdxError(f"polynomial schedule: max_train_steps ({total_steps}) must exceed lr_warmup_steps "
                            f"({warmup_steps})")
-    if name == "piecewise_constant" and step_rules is None:
-        raise SdxError("the piecewise_constant learning-rate schedule needs step_rules")
-
-    W = warmup_steps
-    span = max(1, (total_steps or 0) - W)
-
-    def warmup(k):
-        return k / max(1.0, W)
-
-    def multiplier(k):  # k: f32 scalar
-        if name == "constant":
-            return jnp.ones_like(k)
-        if name == "constant_with_warmup":
-            return jnp.where(k < W, warmup(k), 1.0)
-        if name == "linear":
-            return jnp.where(k < W, warmup(k), jnp.maximum(0.0, (total_steps - k) / span))
-        progress = (k - W) / span
-        if name == "cosine":
-            after = jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * 0.5 * 2.0 * progress)))
-        elif name == "cosine_with_restarts":
-            after = jnp.where(progress >= 1.0, 0.0,
-                              jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * jnp.mod(num_cycles * progress, 1.0)))))
-        elif name == "polynomial":
-            remaining = jnp.maximum(1.0 - progress, 0.0)
-            lr = jnp.where(k > total_steps, lr_end, (learning_rate - lr_end) * remaining**power + lr_end)
-            return jnp.where(k < W, warmup(k), lr / learning_rate)
-        else:  # piecewise_constant: no warm-up, as diffusers
-            rules, last = _parse_rules(step_rules)
-            after = jnp.full_like(k, last)
-            for boundary, value in reversed(rules):
-                after = jnp.where(k < boundary, value, after)
-            return after
-        return jnp.where(k < W, warmup(k), after)
-
-    def lr(count: jax.Array) -> jax.Array:
-        return (learning_rate * multiplier(jnp.asarray(count).astype(jnp.float32))).astype(jnp.float32)
-
     if name == "piecewise_constant":
+        if step_rules is None:
+            raise SdxError("the piecewise_constant learning-rate schedule needs step_rules")
         _parse_rules(step_rules)  # refuse a malformed string now, not at trace time
-    return lr
+    given = dict(warmup_steps=warmup_steps, total_steps=total_steps, num_cycles=num_cycles, power=power, lr_end=lr_end,
+                 step_rules=step_rules)
+    return Schedule(name, learning_rate, **{k: given[k] for k in READS[name]})

@@ -24,6 +24,7 @@ from flax import nnx
 
 from convert import library as convert_lib
 from convert.sources import ModelOptions
+from pipelines import executables
 from pipelines.cli import resolve_model
 from pipelines.family import Family, family_of
 from sdx import mesh as meshlib
@@ -88,7 +89,7 @@ def load(cfg: TrainConfig, mesh, *, folder: Path, log=print) -> Models:
     cp = computes(cfg)
     rule = meshlib.param_sharding(mesh)
     load_one = lambda name, c: model_folder.load_component(
-        folder, name, dtype=c.param_dtype, compute=c, sharding=rule, spec=spec)
+        folder, name, dtype=c.param_dtype, compute=c, sharding=rule, spec=spec, abstract=executables.abstract_model)
     entry = spec["components"]["unet"]
     unet_source = entry.get("source_config")
     if pix2pix and not source.pix2pix:
@@ -121,7 +122,7 @@ def _widened_unet(folder: Path, spec, compute: Compute, rule, log):
     kind = model_folder.MODEL_KINDS["unet"]
     config = dataclasses.replace(model_folder.model_config(folder, "unet", spec=spec), in_channels=8)
     arrays = widen_conv_in(dict(model_folder.read_arrays(folder, "unet", spec=spec)), 8)
-    model = kind.abstract(config, compute)
+    model = executables.abstract_model(kind, config, compute)
     weights.check_arrays(weights.param_shapes(model), arrays, where="unet (conv_in widened to 8 channels)")
     log("unet: conv_in widened from 4 to 8 input channels (new channels zero, kernel and bias kept)")
     source = spec["components"]["unet"].get("source_config")

@@ -10,7 +10,10 @@ max_norm alone), so gradients match torch's to float32 rounding.
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,18 +31,48 @@ def clip_grad_norm(max_norm: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def adamw(learning_rate: float | Callable[[jax.Array], jax.Array], beta1: float = 0.9, beta2: float = 0.999,
-          weight_decay: float = 1e-2, eps: float = 1e-8, max_grad_norm: float | None = 1.0) -> optax.GradientTransformation:
-    """Clipping (skipped when max_grad_norm is None) then AdamW; `learning_rate` a float or a `train.lr`
+class _Transformation(abc.ABC):
+    """An optax transformation described by the dataclass fields of its subclass: `init` and `update` are
+    those of `transformation()`. As a value (no closures), a compiled step that applies it is keyed by its
+    fields (`pipelines.executables`)."""
+
+    @abc.abstractmethod
+    def transformation(self) -> optax.GradientTransformation: ...
+
+    def init(self, params):
+        return self.transformation().init(params)
+
+    def update(self, updates, state, params=None):
+        return self.transformation().update(updates, state, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW(_Transformation):
+    """Clipping (none when max_grad_norm is None) then AdamW; `learning_rate` a float or a `train.lr`
     schedule, read with the count of updates done before this one. Defaults: the scripts' flag defaults."""
-    adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=eps, weight_decay=weight_decay)
-    return adam if max_grad_norm is None else optax.chain(clip_grad_norm(max_grad_norm), adam)
+
+    learning_rate: float | Callable[[jax.Array], jax.Array]
+    beta1: float = 0.9
+    beta2: float = 0.999
+    weight_decay: float = 1e-2
+    eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+
+    def transformation(self) -> optax.GradientTransformation:
+        adam = optax.adamw(self.learning_rate, b1=self.beta1, b2=self.beta2, eps=self.eps, weight_decay=self.weight_decay)
+        return adam if self.max_grad_norm is None else optax.chain(clip_grad_norm(self.max_grad_norm), adam)
 
 
-def frozen_except(tx: optax.GradientTransformation, frozen) -> optax.GradientTransformation:
-    """`tx` on the parameters whose leaf in `frozen` (a tree of bools shaped like the parameters) is False;
-    the others get a zero update and no optimizer state. This is torch's optimizer built over a subset of
-    the parameters: the clipping norm is the trained parameters' alone, and weight decay never touches the
-    frozen ones."""
-    labels = jax.tree.map(lambda f: "frozen" if f else "trained", frozen)
-    return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()}, labels)
+@dataclasses.dataclass(frozen=True)
+class FrozenExcept(_Transformation):
+    """`inner` on the parameters whose leaf in `frozen` (a tree of bools shaped like the parameters) is
+    False; the others get a zero update and no optimizer state. This is torch's optimizer built over a
+    subset of the parameters: the clipping norm is the trained parameters' alone, and weight decay never
+    touches the frozen ones."""
+
+    inner: optax.GradientTransformation | _Transformation
+    frozen: Any
+
+    def transformation(self) -> optax.GradientTransformation:
+        labels = jax.tree.map(lambda f: "frozen" if f else "trained", self.frozen)
+        return optax.multi_transform({"trained": self.inner, "frozen": optax.set_to_zero()}, labels)

@@ -2,6 +2,9 @@
 
     step(state, batch, seed_key) -> (state, metrics)
 
+`compile_step` gives it; the loss also reads `constants`, arrays fixed for the run (the null text
+conditioning), which the compiled program takes as arguments and `compile_step` binds.
+
 `state` is a `TrainState` (trainable parameters, optax state, EMA, optimizer-step count); `batch` a dict
 of arrays whose leading axis is the whole step's samples (`accumulation` micro-batches of `micro`
 samples) and holds `index`, each sample's global index. Every random draw of the step comes from
@@ -13,6 +16,12 @@ Gradient accumulation is a `lax.scan` over the micro-batches inside the step (un
 the learning-rate schedule and the EMA count optimizer steps. The mean of the micro-batch losses (and gradients) equals
 the loss of the whole batch because every micro-batch has the same size.
 
+Warm starts: the program is kept on disk by `pipelines.executables` under a key of everything it is made
+of (the loss, optimizer, schedule and EMA as values: dataclasses and partials of module functions, the
+model's graph definition, the arguments' shapes and shardings), so a resumed run, or any later run of the
+same configuration, reads it back without tracing. A step made of closures (a test's lambda schedule, a
+plain optax transformation) is compiled as usual, JAX's own cache still applying.
+
 Sharding: the state keeps the shardings it was placed with (parameters, gradients, optimizer state and
 EMA over `fsdp`, see `sdx.mesh.param_sharding`), the batch is split over every device, and the state's
 buffers are donated to the step.
@@ -21,6 +30,7 @@ buffers are donated to the step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,10 +38,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pipelines import executables
 from sdx import mesh as meshlib
 from train import ema as emalib
 
-LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+LossFn = Callable[[Any, Mapping[str, jax.Array], jax.Array, Any], tuple[jax.Array, dict[str, jax.Array]]]
 
 
 @jax.tree_util.register_dataclass
@@ -52,7 +63,7 @@ def init_state(params, tx: optax.GradientTransformation, use_ema: bool) -> Train
     devices. (A plain `jax.jit(tx.init)` would put every moment, unsplit, on the default device.)"""
     shardings = jax.tree.map(lambda x: x.sharding, params)
     replicated = _replicated(jax.tree.leaves(shardings)[0])
-    masked = lambda x: isinstance(x, optax.MaskedNode)  # a frozen parameter's place (optimizer.frozen_except)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # a frozen parameter's place (optimizer.FrozenExcept)
     opt_shardings = optax.tree_map_params(tx, lambda p, s: p if masked(p) else s, jax.eval_shape(tx.init, params),
                                           shardings, transform_non_params=lambda _: replicated, is_leaf=masked)
     opt = jax.jit(tx.init, out_shardings=opt_shardings)(params)
@@ -92,16 +103,16 @@ def _unroll() -> bool:
     return jax.default_backend() == "cpu"
 
 
-def _accumulated(grad_fn, params, micro):
+def _accumulated(grad_fn, params, micro, constants):
     """The mean loss, gradients and aux over micro-batches ([A, micro, ...] leaves), one at a time."""
     def accumulate(carry, xs):
         loss_sum, grad_sum, aux_sum = carry
-        (loss, aux), grads = grad_fn(params, *xs)
+        (loss, aux), grads = grad_fn(params, *xs, constants)
         add = lambda a, b: jax.tree.map(jnp.add, a, b)
         return (loss_sum + loss, add(grad_sum, grads), add(aux_sum, aux)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    aux_shapes = jax.eval_shape(grad_fn, params, *first)[0][1]
+    aux_shapes = jax.eval_shape(grad_fn, params, *first, constants)[0][1]
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
              jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes))
     sums, _ = jax.lax.scan(accumulate, zeros, micro, unroll=_unroll())
@@ -113,6 +124,7 @@ def train_step(
     state: TrainState,
     batch: Mapping[str, jax.Array],
     seed_key: jax.Array,
+    constants,
     *,
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
@@ -120,13 +132,14 @@ def train_step(
     ema: emalib.EMAConfig | None,
     learning_rate: Callable[[jax.Array], jax.Array],
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """See the module docstring. loss_fn(params, micro_batch, keys) -> (scalar loss, aux metrics)."""
+    """See the module docstring. loss_fn(params, micro_batch, keys, constants) -> (scalar loss, aux metrics)."""
     keys = sample_keys(seed_key, state.step, batch["index"])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if accumulation == 1:
-        (loss, aux), grads = grad_fn(state.params, dict(batch), keys)
+        (loss, aux), grads = grad_fn(state.params, dict(batch), keys, constants)
     else:
-        loss, grads, aux = _accumulated(grad_fn, state.params, _micro_batches((dict(batch), keys), accumulation))
+        loss, grads, aux = _accumulated(grad_fn, state.params, _micro_batches((dict(batch), keys), accumulation),
+                                        constants)
 
     updates, opt = tx.update(grads, state.opt, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -136,16 +149,27 @@ def train_step(
     return TrainState(params=params, opt=opt, ema=shadow, step=step), metrics
 
 
-def compile_step(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], seed_key: jax.Array, mesh, **kw):
-    """`train_step` compiled ahead of time for these shapes: the state keeps its shardings and is donated,
-    the batch is split over every device of `mesh`, metrics come back replicated."""
+def step_program(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], seed_key: jax.Array, mesh,
+                 constants=None, **kw) -> tuple[functools.partial, tuple, dict]:
+    """What `compile_step` compiles, as (function, arguments, jit options): `pipelines.executables` keys the
+    program by them. `constants` come back placed, replicated over `mesh`."""
+    replicated = meshlib.replicated(mesh)
+    constants = jax.jit(lambda c: c, out_shardings=replicated)({} if constants is None else constants)  # one host or many
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_shardings = {k: meshlib.batch_sharding(mesh, len(v.shape)) for k, v in batch_shapes.items()}
-    fn = jax.jit(
-        lambda s, b, k: train_step(s, b, k, **kw),
-        in_shardings=(state_shardings, batch_shardings, meshlib.replicated(mesh)),
-        out_shardings=(state_shardings, meshlib.replicated(mesh)),
-        donate_argnums=(0,),
-    )
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch_shapes.items()}
-    return fn.lower(state, shapes, seed_key).compile()
+    options = dict(in_shardings=(state_shardings, batch_shardings, replicated, jax.tree.map(lambda _: replicated, constants)),
+                   out_shardings=(state_shardings, replicated), donate_argnums=(0,))
+    return functools.partial(train_step, **kw), (state, shapes, seed_key, constants), options
+
+
+def compile_step(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], seed_key: jax.Array, mesh,
+                 constants=None, **kw) -> Callable[[TrainState, Mapping[str, jax.Array], jax.Array], tuple]:
+    """`train_step` compiled ahead of time for these shapes (or read back, see the module docstring), as
+    step(state, batch, seed_key) with `constants` (a tree of arrays, default none) bound: the state keeps its
+    shardings and is donated, the batch is split over every device of `mesh`, metrics come back replicated.
+    kw: `train_step`'s keyword arguments."""
+    fn, args, options = step_program(state, batch_shapes, seed_key, mesh, constants, **kw)
+    compiled = executables.compile(fn, *args, **options)
+    constants = args[-1]
+    return lambda state, batch, seed_key: compiled(state, batch, seed_key, constants)

@@ -19,6 +19,8 @@ diffusion_pytorch_model.safetensors), which `--vae`, `--pretrained_vae_model_nam
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipelines import executables
 from sdx import io, mesh as meshlib
 from sdx import model_folder, presets, weights
 from sdx.errors import SdxError
@@ -49,22 +52,36 @@ def vae_config(spec: str) -> VAEConfig:
     return VAEConfig.from_diffusers_config(presets.get(spec).configs["vae"])
 
 
-def vae_loss(graphdef, cfg: TrainConfig):
-    """(params, batch, keys) -> (loss, {"l1_per_pixel", "kl_per_element"})."""
-    def fn(params, batch, keys):
-        vae = nnx.merge(graphdef, params)
-        x = batch["pixels"]
-        dist = vae.encode(x)
-        if cfg.decoder_only:  # the KL term is then a constant
-            dist = jax.lax.stop_gradient(dist)
-        z = objective.posterior_sample(keys, jnp.concatenate([dist.mean, dist.logvar], axis=-1))
-        recon = vae.decode(z).astype(jnp.float32)
-        err = jnp.abs(recon - x) if cfg.reconstruction_loss == "l1" else (recon - x) ** 2
-        kl = dist.kl()  # (B,)
-        loss = jnp.mean(jnp.sum(err, axis=(1, 2, 3)) + cfg.kl_weight * kl)
-        aux = {"l1_per_pixel": jnp.mean(jnp.abs(recon - x)), "kl_per_element": jnp.mean(kl) / np.prod(dist.mean.shape[1:])}
-        return loss, aux
-    return fn
+@dataclasses.dataclass(frozen=True)
+class VAELoss:
+    """The flags that change the loss (see the module docstring)."""
+
+    reconstruction_loss: str  # "l1" or "l2"
+    kl_weight: float
+    decoder_only: bool
+
+
+def vae_loss(graphdef, cfg: VAELoss) -> functools.partial:
+    """(params, batch, keys, constants) -> (loss, {"l1_per_pixel", "kl_per_element"}) for `train.step`
+    (no constants: it reads the batch alone). A partial of a module function and values, so a compiled step
+    is keyed by it (`pipelines.executables`)."""
+    return functools.partial(_vae_loss, graphdef, cfg)
+
+
+def _vae_loss(graphdef, cfg: VAELoss, params, batch, keys, constants):
+    del constants
+    vae = nnx.merge(graphdef, params)
+    x = batch["pixels"]
+    dist = vae.encode(x)
+    if cfg.decoder_only:  # the KL term is then a constant
+        dist = jax.lax.stop_gradient(dist)
+    z = objective.posterior_sample(keys, jnp.concatenate([dist.mean, dist.logvar], axis=-1))
+    recon = vae.decode(z).astype(jnp.float32)
+    err = jnp.abs(recon - x) if cfg.reconstruction_loss == "l1" else (recon - x) ** 2
+    kl = dist.kl()  # (B,)
+    loss = jnp.mean(jnp.sum(err, axis=(1, 2, 3)) + cfg.kl_weight * kl)
+    aux = {"l1_per_pixel": jnp.mean(jnp.abs(recon - x)), "kl_per_element": jnp.mean(kl) / np.prod(dist.mean.shape[1:])}
+    return loss, aux
 
 
 @jax.jit
@@ -87,9 +104,10 @@ class VAETask:
             self.folder = models.resolve_folder(cfg, log)
             self.spec = model_folder.read_spec(self.folder)
             self.module = model_folder.load_component(self.folder, "vae", dtype=jnp.float32, compute=compute,
-                                                      sharding=rule, spec=self.spec)
+                                                      sharding=rule, spec=self.spec, abstract=executables.abstract_model)
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
                                         random_flip=cfg.random_flip, seed=cfg.seed)
+        self.constants = {}  # what the loss reads besides the batch: nothing
         self.fixed = None  # the validation images: the first batch's, reconstructed at each validation
 
     def step_batch(self, host: dict) -> dict:
@@ -102,7 +120,9 @@ class VAETask:
                 "index": jax.ShapeDtypeStruct(np.shape(host["index"]), np.asarray(host["index"]).dtype)}
 
     def loss_fn(self, graphdef):
-        return vae_loss(graphdef, self.cfg)
+        cfg = self.cfg
+        return vae_loss(graphdef, VAELoss(reconstruction_loss=cfg.reconstruction_loss, kl_weight=cfg.kl_weight,
+                                          decoder_only=cfg.decoder_only))
 
     def frozen(self, params):
         """Under --decoder_only, True for the encoder's side (encoder, quant_conv); else None (all train)."""
