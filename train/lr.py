@@ -127,8 +127,7 @@ def schedule(name: str, learning_rate: float, *, warmup_steps: int = 0, total_st
         raise SdxError(f"unknown learning-rate schedule {name!r} (choose from {', '.join(SCHEDULES)})")
     if warmup_steps < 0:
         raise SdxError(f"lr_warmup_steps must be >= 0, got {warmup_steps}")
-    needs_total = name in ("linear", "cosine", "cosine_with_restarts", "polynomial")
-    if needs_total and total_steps is None:
+    if "total_steps" in READS[name] and total_steps is None:
         raise SdxError(f"the {name} learning-rate schedule needs the number of training steps")
     if name == "polynomial":
         if not learning_rate > lr_end:
