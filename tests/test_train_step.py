@@ -239,10 +239,11 @@ def test_a_vae_step_with_a_frozen_encoder_is_keyed_too(tmp_path, monkeypatch):
     params = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), params)
     frozen = jax.tree_util.tree_map_with_path(lambda path, _: path[0].key in ENCODER_SIDE, params)
     schedule = lrlib.schedule("constant", 1e-4)
+    tx = optlib.FrozenExcept(optlib.AdamW(schedule), frozen)
+    state = steplib.init_state(params, tx, use_ema=False)
     program = lambda decoder_only: steplib.step_program(
-        steplib.init_state(params, optlib.FrozenExcept(optlib.AdamW(schedule), frozen), use_ema=False),
-        {"pixels": jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32), "index": jax.ShapeDtypeStruct((2,), jnp.int32)},
+        state, {"pixels": jax.ShapeDtypeStruct((2, 16, 16, 3), jnp.float32), "index": jax.ShapeDtypeStruct((2,), jnp.int32)},
         jax.random.key(0), meshlib.make_mesh(1), loss_fn=vae_loss(graphdef, VAELoss("l1", 1e-6, decoder_only)),
-        tx=optlib.FrozenExcept(optlib.AdamW(schedule), frozen), accumulation=1, ema=None, learning_rate=schedule)
+        tx=tx, accumulation=1, ema=None, learning_rate=schedule)
     keys = [executables.path_of(*program(d)) for d in (True, False)]
     assert None not in keys and keys[0] != keys[1]
