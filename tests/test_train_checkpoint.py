@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import shutil
 import signal
@@ -103,6 +104,42 @@ def test_round_trip_is_bit_exact(tmp_path):
     np.testing.assert_array_equal(jax.random.normal(restored.key, (3,)), jax.random.normal(state.key, (3,)))
 
 
+def test_small_leaves_are_saved_packed_one_vector_per_dtype(tmp_path, monkeypatch):
+    """Leaves of at most PACKED_MAX elements go into one vector per dtype (offsets in tree order), larger
+    ones and PRNG keys alone; the layout lists them all and the round trip is bit-exact."""
+    monkeypatch.setattr(checkpoint, "PACKED_MAX", 12)
+    r = np.random.default_rng(0)
+    state = {"bias": jnp.asarray(r.standard_normal(4), jnp.float32), "big": jnp.arange(13, dtype=jnp.float32),
+             "count": jnp.int32(7), "half": jnp.asarray(r.standard_normal(5), jnp.bfloat16),
+             "kernel": jnp.asarray(r.standard_normal((3, 4)), jnp.float32), "key": jax.random.key(3)}
+    like = jax.tree.map(lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else jnp.zeros_like(x), state)
+    with checkpoint.Checkpoints(tmp_path) as ckpts:
+        ckpts.save(1, state, {})
+        ckpts.wait()
+        restored, _ = ckpts.restore(1, like)
+    assert json.loads((tmp_path / "1" / "layout" / "metadata").read_text()) == [
+        ["bias", "float32", [4], 0], ["big", "float32", [13], None], ["count", "int32", [], 0],
+        ["half", "bfloat16", [5], 0], ["kernel", "float32", [3, 4], 4], ["key", "key<fry>", [], None]]
+    assert_same(restored, state)
+
+
+def test_a_checkpoint_written_before_packing_restores(tmp_path):
+    """A checkpoint without layout/ (the state saved as one tree of arrays) restores, and is checked."""
+    import orbax.checkpoint as ocp
+
+    state, meta = make_state(1), {"data": "position"}
+    handler = ocp.CompositeCheckpointHandler(state=ocp.StandardCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
+    with ocp.Checkpointer(handler) as ckptr:
+        ckptr.save(tmp_path / "3", args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    with checkpoint.Checkpoints(tmp_path) as ckpts:
+        assert ckpts.latest() == 3
+        restored, restored_meta = ckpts.restore(3, make_state(2))
+        with pytest.raises(SdxError, match=r"mu\.kernel\.value: the checkpoint has float32\[3, 4\], this run float32\[3, 5\]"):
+            ckpts.restore(3, make_state(0, width=5))
+    assert_same(restored, state)
+    assert restored_meta == meta
+
+
 def test_synchronous_save_is_committed_on_return(tmp_path):
     state = make_state(3, ema=False)
     with checkpoint.Checkpoints(tmp_path, async_save=False) as ckpts:
@@ -157,20 +194,22 @@ def test_restore_onto_a_mesh_takes_the_shardings_of_the_live_state(tmp_path):
         like = jax.tree.map(fsdp, make_state(2))
         split = [x for x in jax.tree.leaves(like) if not x.sharding.is_fully_replicated]
         assert len(split) >= 8, len(split)     # kernels, biases, their moments and EMA are split
-        ckpts = checkpoint.Checkpoints({str(tmp_path)!r})
-        ckpts.save(1, single, {{}})
-        ckpts.save(2, jax.tree.map(fsdp, single), {{}})
-        ckpts.wait()
-        for step in (1, 2):
-            restored, _ = ckpts.restore(step, like)
-            assert_same(restored, single)
-            for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True):
-                assert got.sharding == want.sharding, (got.sharding, want.sharding)
-        # and back onto one device
-        restored, _ = ckpts.restore(2, single)
-        for got in jax.tree.leaves(restored):
-            assert got.sharding == single.params["kernel"].value.sharding, got.sharding
-        ckpts.close()
+        for packed_max in (checkpoint.PACKED_MAX, 4):  # every leaf packed; kernels (3 x 4) saved alone
+            checkpoint.PACKED_MAX = packed_max
+            ckpts = checkpoint.Checkpoints({str(tmp_path)!r} + f"/{{packed_max}}")
+            ckpts.save(1, single, {{}})
+            ckpts.save(2, jax.tree.map(fsdp, single), {{}})
+            ckpts.wait()
+            for step in (1, 2):
+                restored, _ = ckpts.restore(step, like)
+                assert_same(restored, single)
+                for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True):
+                    assert got.sharding == want.sharding, (got.sharding, want.sharding)
+            # and back onto one device
+            restored, _ = ckpts.restore(2, single)
+            for got in jax.tree.leaves(restored):
+                assert got.sharding == single.params["kernel"].value.sharding, got.sharding
+            ckpts.close()
         print("ok", len(split))
     """, devices=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
