@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -214,6 +215,54 @@ def test_restore_onto_a_mesh_takes_the_shardings_of_the_live_state(tmp_path):
     """, devices=2)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("ok")
+
+
+def test_two_processes_pack_what_both_hold_and_restore_onto_their_shardings(tmp_path):
+    """Two processes of one CPU device each, one JAX job: small leaves replicated on both hosts are packed
+    (from each host's own copy; the vector written once), a small leaf split across the hosts and a large
+    one are saved alone, and each process restores its shards onto the live state's shardings."""
+    script = textwrap.dedent(f"""
+        import json, sys
+        import jax, numpy as np
+        jax.distributed.initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from train import checkpoint
+        checkpoint.PACKED_MAX = 16
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        where = {{"bias": P(), "count": P(), "big": P("data"), "small_split": P("data")}}
+
+        def make(seed):
+            r = np.random.default_rng(seed)
+            values = {{"bias": r.standard_normal(4).astype(np.float32), "count": np.int32(seed),
+                      "big": r.standard_normal((8, 4)).astype(np.float32), "small_split": r.standard_normal(6).astype(np.float32)}}
+            return values, {{k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, where[k]), lambda i, v=v: v[i])
+                            for k, v in values.items()}}
+
+        values, state = make(1)
+        like = make(2)[1]
+        with checkpoint.Checkpoints({str(tmp_path)!r}) as ckpts:
+            ckpts.save(1, state, {{"data": "position"}})
+            ckpts.wait()
+            restored, meta = ckpts.restore(1, like)
+        assert meta == {{"data": "position"}}, meta
+        for k, x in restored.items():
+            assert x.sharding == like[k].sharding, (k, x.sharding)
+            for shard in x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), values[k][shard.index])
+        print("ok", json.dumps(json.loads(open({str(tmp_path / "1" / "layout" / "metadata")!r}).read())))
+    """)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    env = child_env(PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-c", script, address, str(i)], cwd=REPO, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output[-4000:]
+        layout = json.loads(output.rsplit("ok ", 1)[1].splitlines()[0])
+        assert layout == [["bias", "float32", [4], 0], ["big", "float32", [8, 4], None], ["count", "int32", [], 0],
+                          ["small_split", "float32", [6], None]]
 
 
 def test_async_save_is_safe_against_donated_buffers(tmp_path):
