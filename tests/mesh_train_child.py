@@ -18,17 +18,18 @@ from sdx import mesh as meshlib
 from train import pix2pix, step as steplib
 
 meshlib.param_sharding.__defaults__ = (1,)
-split: list[int] = []
-_init_state = steplib.init_state
+split: list[int] = []  # per run: the state's leaves split over fsdp (a resumed run's restore target's)
 
 
-def _recording(*args, **kwargs):
-    state = _init_state(*args, **kwargs)
-    split.append(sum(meshlib.FSDP in str(x.sharding.spec) for x in jax.tree.leaves(state) if x.ndim))
-    return state
+def _recording(make):
+    def recorded(*args, **kwargs):
+        state = make(*args, **kwargs)
+        split.append(sum(meshlib.FSDP in str(x.sharding.spec) for x in jax.tree.leaves(state) if len(x.shape)))
+        return state
+    return recorded
 
 
-steplib.init_state = _recording
+steplib.init_state, steplib.abstract_state = _recording(steplib.init_state), _recording(steplib.abstract_state)
 out, rest = Path(sys.argv[1]), sys.argv[2:]
 resume = rest[:1] == ["--resume"]
 flags = rest[1:] if resume else rest
@@ -37,5 +38,5 @@ if resume:
     (out / "b" / "checkpoints").mkdir(parents=True)
     shutil.copytree(out / "a" / "checkpoints" / "2", out / "b" / "checkpoints" / "2")
     assert pix2pix.train([*flags, "--output_dir", str(out / "b"), "--resume_from_checkpoint", "latest"]) == 0
-assert jax.device_count() == 4 and split and all(n > 100 for n in split), (jax.device_count(), split)
+assert jax.device_count() == 4 and len(split) == 1 + resume and all(n > 100 for n in split), (jax.device_count(), split)
 print("state leaves split over fsdp:", split)

@@ -1,6 +1,8 @@
 """Image j's randomness comes from its own key, `fold_in(PRNGKey(seed), j)`: its initial noise, every
 stochastic sampler step's noise and img2img's VAE posterior sample. So image j is the same at any batch
 size, with or without guidance, on one device or split over four (fake CPU devices, in a subprocess).
+The cases compare the final latents (`output_latents`): every draw is made before them, and decoding them
+is deterministic per image (its own tests), so the VAE's decode programs are not compiled here.
 
 The cases run on the embedded `tiny` demo model (random weights); InstructPix2Pix on the same model with
 an 8-channel UNet.
@@ -63,11 +65,11 @@ def pipelines(folder: Path, mesh) -> dict[str, Pipeline]:
 
 
 def image_one(pipes: dict[str, Pipeline], batch_size: int) -> dict[str, np.ndarray]:
-    """case -> image 1 of four (two prompts, two images each), generated `batch_size` at a time."""
+    """case -> the latents of image 1 of four (two prompts, two images each), generated `batch_size` at a time."""
     out = {}
     for case, (_, extra) in CASES.items():
         fields = dict(prompts=["a red fox", "a blue boat"], num_images_per_prompt=2, height=32, width=32, steps=3,
-                      seed=7, guidance_scale=5.0, batch_size=batch_size)
+                      seed=7, guidance_scale=5.0, batch_size=batch_size, output_latents=True)
         fields.update({k: _image() if v == "image" else v for k, v in extra.items()})
         request = Request(**fields)
         out[case] = pipes[case](request)[1]
@@ -107,8 +109,10 @@ def four_devices(folder, tmp_path_factory) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("case", CASES)
 def test_an_image_is_the_same_at_any_batch_size_and_on_any_mesh(case, one_device, four_devices):
+    # latents reach about 10 in magnitude: float32 rounding of another batch layout moves them by up to 3e-5;
+    # a draw from another key moves them by about 1
     alone = one_device[1][case]
     for batch_size in BATCH_SIZES[1:]:
-        np.testing.assert_allclose(one_device[batch_size][case], alone, atol=1e-5, err_msg=f"batch size {batch_size}")
-    np.testing.assert_allclose(four_devices[case], alone, atol=1e-5, err_msg="4 devices")
+        np.testing.assert_allclose(one_device[batch_size][case], alone, atol=1e-4, err_msg=f"batch size {batch_size}")
+    np.testing.assert_allclose(four_devices[case], alone, atol=1e-4, err_msg="4 devices")
 

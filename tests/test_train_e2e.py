@@ -24,6 +24,7 @@ from pipelines.request import Request
 from pipelines.sampler import enable_compilation_cache
 from tests.processes import child_env
 from train import data, diffusion, pix2pix, shapes
+from train import step as steplib
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,8 @@ def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_ca
         per_validation.append(len(programs) - before)
 
     monkeypatch.setattr(diffusion.DiffusionTask, "validate", counted)
+    inits, init_state = [], steplib.init_state  # a resumed run makes no initial state to overwrite
+    monkeypatch.setattr(steplib, "init_state", lambda *a, **k: inits.append(a) or init_state(*a, **k))
     assert pix2pix.train(_argv(model, root / "ds", a, *validation)) == 0
     assert per_validation[0] >= 3 and per_validation[1] == 0, per_validation  # prepare, denoise, decode; then none
     grids = [np.asarray(Image.open(a / "validation" / f"step-00000{s}.png")) for s in (2, 4)]
@@ -86,6 +89,7 @@ def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_ca
     shutil.copytree(a / "checkpoints" / "2", b / "checkpoints" / "2")
     assert pix2pix.train(_argv(model, root / "ds", b, "--resume_from_checkpoint", "latest")) == 0
     assert (a / "unet.safetensors").read_bytes() == (b / "unet.safetensors").read_bytes()
+    assert len(inits) == 1, len(inits)
     lines = (a / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and all(np.isfinite(float(l.split('"loss": ')[1].split(",")[0])) for l in lines)
 

@@ -228,6 +228,26 @@ def test_the_loop_s_step_is_keyed_by_every_setting_of_its_loss_optimizer_schedul
     assert None not in changed and len({key(), *changed}) == 6
 
 
+@pytest.mark.parametrize("use_ema", [True, False])
+def test_a_resumed_run_restores_onto_the_shapes_dtypes_and_shardings_init_state_makes(use_ema):
+    """`abstract_state` (a resumed run's restore target: nothing computed or allocated) has `init_state`'s tree
+    and each leaf's shape, dtype and sharding: AdamW's moments and counts, a frozen part's empty places, the
+    step, and the EMA (float32 over bfloat16 parameters)."""
+    mesh = meshlib.make_mesh(1)
+    r = np.random.default_rng(0)
+    params = {"a": {"kernel": r.standard_normal((3, 4)), "bias": r.standard_normal(4)},
+              "b": {"kernel": r.standard_normal((4, 2)).astype(jnp.bfloat16)}}
+    params = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x), meshlib.replicated(mesh)), params)
+    frozen = {"a": {"kernel": True, "bias": True}, "b": {"kernel": False}}
+    tx = optlib.FrozenExcept(optlib.AdamW(lrlib.schedule("constant", 1e-3)), frozen)
+    made, abstract = steplib.init_state(params, tx, use_ema), steplib.abstract_state(params, tx, use_ema)
+    assert jax.tree.structure(abstract) == jax.tree.structure(made)
+    describe = lambda state: [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)]
+    assert describe(abstract) == describe(made)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(abstract))
+    assert (abstract.ema is not None) == use_ema and (not use_ema or abstract.ema["b"]["kernel"].dtype == jnp.float32)
+
+
 def test_a_vae_step_with_a_frozen_encoder_is_keyed_too(tmp_path, monkeypatch):
     """The VAE's loss and `optimizer.FrozenExcept` (--decoder_only) are values as well: the step is kept."""
     from sdx.vae import AutoencoderKL

@@ -130,16 +130,18 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     if frozen is not None:
         tx = optimizer.FrozenExcept(tx, frozen)
     ema = ema_config(cfg)
-    state = steplib.init_state(params, tx, use_ema=ema is not None)
     prepare = getattr(task, "prepare_data", None)  # --cache_latents: the loader reads the cache instead of images
     hooks = prepare(source, out) if prepare is not None else {}
     loader = data.make_loader(source, task.transform, batch_size=sched.per_host_batch, seed=cfg.seed,
                               num_epochs=None, workers=cfg.dataloader_num_workers, **hooks)
     ckpts = checkpoint.Checkpoints(out / "checkpoints", keep=cfg.checkpoints_total_limit)
     start = 0
-    if resume is not None:
-        saved, meta = ckpts.restore(resume, _flat(state))
-        state = jax.tree.unflatten(jax.tree.structure(state), [saved[k] for k in sorted(saved)])
+    if resume is None:
+        state = steplib.init_state(params, tx, use_ema=ema is not None)
+    else:  # onto the state's shapes and shardings: a resumed run never holds a second state
+        like = steplib.abstract_state(params, tx, use_ema=ema is not None)
+        saved, meta = ckpts.restore(resume, _flat(like))
+        state = jax.tree.unflatten(jax.tree.structure(like), [saved[k] for k in sorted(saved)])
         loader.restore(meta["data"])
         start = int(state.step)
         metrics_log(f"resumed from step {start} ({resume})")
