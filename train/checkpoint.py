@@ -41,8 +41,9 @@ rename it writes `commit_success.txt` instead). Only committed folders count as 
 `Checkpoints` removes the leftovers of interrupted writes.
 
 Asynchrony: `save` waits for the previous save to be committed, copies every array to host memory
-and returns; a background thread writes the files and commits. The copy is Orbax's device-to-host
-transfer, done before `save` returns for every array of a `StandardSave` (only a PyTree handler with
+and returns; a background thread writes the files and commits. The packed leaves are copied into their
+vectors (new host memory) before `save` returns; the others by Orbax's device-to-host transfer, also
+done before `save` returns for every array of a `StandardSave` (only a PyTree handler with
 `save_device_host_concurrent_gb` defers some, and none is used here). So the caller may donate the
 state's buffers to the next step at once: the checkpoint holds its own host copy (on the CPU backend
 a zero-copy view that keeps the buffer alive, so XLA declines the donation and the step copies).
