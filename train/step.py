@@ -61,7 +61,7 @@ def init_state(params, tx: optax.GradientTransformation, use_ema: bool) -> Train
     """The state before the first step: the optimizer's per-parameter trees (Adam's moments) and the EMA
     take the parameters' shardings, its scalars (counts) and the step are replicated over the same
     devices. (A plain `jax.jit(tx.init)` would put every moment, unsplit, on the default device.)"""
-    opt_shardings, replicated = _shardings(params, tx)
+    _, opt_shardings, replicated = _opt_layout(params, tx)
     opt = jax.jit(tx.init, out_shardings=opt_shardings)(params)
     ema = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params) if use_ema else None
     return TrainState(params=params, opt=opt, ema=ema, step=jax.device_put(jnp.zeros((), jnp.int32), replicated))
@@ -71,22 +71,24 @@ def abstract_state(params, tx: optax.GradientTransformation, use_ema: bool) -> T
     """`init_state`'s shapes, dtypes and shardings (`jax.ShapeDtypeStruct`s), computing and allocating
     nothing: what a resumed run restores its checkpoint onto, so that it never holds a second state (SDXL's
     AdamW + EMA state in float32 is about 41 GB)."""
-    opt_shardings, replicated = _shardings(params, tx)
+    opt_shapes, opt_shardings, replicated = _opt_layout(params, tx)
     abstract = lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-    opt = jax.tree.map(abstract, jax.eval_shape(tx.init, params), opt_shardings)
+    opt = jax.tree.map(abstract, opt_shapes, opt_shardings)
     params = jax.tree.map(lambda x: abstract(x, x.sharding), params)
     ema = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), params) if use_ema else None
     return TrainState(params=params, opt=opt, ema=ema, step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
 
 
-def _shardings(params, tx: optax.GradientTransformation) -> tuple[Any, jax.sharding.Sharding]:
-    """(the optimizer state's shardings, the replicated sharding over the parameters' devices)."""
+def _opt_layout(params, tx: optax.GradientTransformation) -> tuple[Any, Any, jax.sharding.Sharding]:
+    """(the optimizer state's shapes (`jax.eval_shape` of its init), its shardings, the replicated sharding
+    over the parameters' devices)."""
     shardings = jax.tree.map(lambda x: x.sharding, params)
     replicated = _replicated(jax.tree.leaves(shardings)[0])
     masked = lambda x: isinstance(x, optax.MaskedNode)  # a frozen parameter's place (optimizer.FrozenExcept)
-    opt_shardings = optax.tree_map_params(tx, lambda p, s: p if masked(p) else s, jax.eval_shape(tx.init, params),
+    opt_shapes = jax.eval_shape(tx.init, params)
+    opt_shardings = optax.tree_map_params(tx, lambda p, s: p if masked(p) else s, opt_shapes,
                                           shardings, transform_non_params=lambda _: replicated, is_leaf=masked)
-    return opt_shardings, replicated
+    return opt_shapes, opt_shardings, replicated
 
 
 def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
