@@ -325,6 +325,7 @@ def load_component(
     sharding: weights.Sharding = None,
     spec: Mapping[str, Any] | None = None,
     abstract: Callable[[ModelKind, Any, Compute], nnx.Module] | None = None,
+    read: bool = True,
 ) -> nnx.Module:
     """The live sdx model of component `name` ("unet", "vae", "text_encoder", "text_encoder_2").
 
@@ -335,10 +336,14 @@ def load_component(
       (e.g. `sdx.mesh.param_sharding(mesh)`); None puts everything on the default device.
     abstract: (kind, config, compute) -> the abstract model to fill; default `ModelKind.abstract`
       (`pipelines.executables.abstract_model` keeps it on disk).
+    read: False reads no weights: the parameters stay `jax.ShapeDtypeStruct`s with the dtypes and shardings
+      loading would give them (what a resumed training run restores its checkpoint onto).
     """
     folder = Path(folder)
     spec = spec or read_spec(folder)
     model = abstract_component(folder, name, dtype=dtype, compute=compute, spec=spec, abstract=abstract)
+    if not read:
+        return weights.placed_abstract(model, dtype=_param_dtype(dtype, spec), sharding=sharding)
     arrays = read_arrays(folder, name, spec=spec)
     where = str(folder / _entry(spec, folder, name)["file"])
     weights.check_arrays(weights.param_shapes(model), arrays, where=where)

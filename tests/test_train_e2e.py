@@ -22,6 +22,7 @@ from pipelines import executables
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from pipelines.sampler import enable_compilation_cache
+from sdx import model_folder
 from tests.processes import child_env
 from train import data, diffusion, pix2pix, shapes
 from train import step as steplib
@@ -80,7 +81,11 @@ def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_ca
     monkeypatch.setattr(diffusion.DiffusionTask, "validate", counted)
     inits, init_state = [], steplib.init_state  # a resumed run makes no initial state to overwrite
     monkeypatch.setattr(steplib, "init_state", lambda *a, **k: inits.append(a) or init_state(*a, **k))
+    reads, read_arrays = [], model_folder.read_arrays  # nor reads the UNet weights the checkpoint replaces
+    monkeypatch.setattr(model_folder, "read_arrays", lambda f, name, **k: reads.append(name) or read_arrays(f, name, **k))
     assert pix2pix.train(_argv(model, root / "ds", a, *validation)) == 0
+    assert reads.count("unet") == 1, reads
+    reads.clear()
     assert per_validation[0] >= 3 and per_validation[1] == 0, per_validation  # prepare, denoise, decode; then none
     grids = [np.asarray(Image.open(a / "validation" / f"step-00000{s}.png")) for s in (2, 4)]
     assert grids[1].shape == (32, 64, 3) and grids[1].std() > 0  # two 32 px images side by side
@@ -90,6 +95,7 @@ def test_pix2pix_trains_writes_a_model_and_resumes_exactly(setup, compilation_ca
     assert pix2pix.train(_argv(model, root / "ds", b, "--resume_from_checkpoint", "latest")) == 0
     assert (a / "unet.safetensors").read_bytes() == (b / "unet.safetensors").read_bytes()
     assert len(inits) == 1, len(inits)
+    assert "unet" not in reads and "vae" in reads, reads
     lines = (a / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and all(np.isfinite(float(l.split('"loss": ')[1].split(",")[0])) for l in lines)
 

@@ -2,13 +2,15 @@
 
 From random weights (--vae_config): the loss falls when the VAE overfits a repeated batch, and the VAE
 folder it writes (diffusers' layout) loads in diffusers' AutoencoderKL and reconstructs what sdx's VAE
-read from the same folder (the `--vae` path of the sampler and the converter) reconstructs. From a
-pipeline: the sdx folder written has the new VAE and every other component byte for byte.
+read from the same folder (the `--vae` path of the sampler and the converter) reconstructs; on two devices,
+resumed exactly. From a pipeline: the sdx folder written has the new VAE and every other component byte for
+byte.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import types
@@ -50,16 +52,25 @@ def _train_vae(env, *argv) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_vae_from_random_weights_overfits_and_loads_in_diffusers(world):
+def test_vae_from_random_weights_overfits_resumes_and_loads_in_diffusers(world):
+    """On two devices (the random weights placed on the mesh as loaded ones are), and resumed from the
+    checkpoint at step 38 to the same bytes."""
     root, env = world
-    out = root / "from-config"
-    _train_vae(env, "--vae_config", "tiny", "--dataset_name", str(root / "two"), "--output_dir", str(out),
-               "--max_train_steps", "40", "--learning_rate", "2e-3")
+    env = {**env, "XLA_FLAGS": child_env(devices=2)["XLA_FLAGS"]}
+    out, resumed = root / "from-config", root / "from-config-resumed"
+    argv = ("--vae_config", "tiny", "--dataset_name", str(root / "two"), "--max_train_steps", "40",
+            "--learning_rate", "2e-3", "--train_batch_size", "1", "--checkpointing_steps", "38")
+    proc = _train_vae(env, *argv, "--output_dir", str(out))
+    assert "on 2 devices" in proc.stdout + proc.stderr
     losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 40
     first, last = np.mean(losses[:3]), np.mean(losses[-3:])
     print("loss", first, "->", last)
     assert last < 0.5 * first
+    shutil.copytree(out / "checkpoints" / "38", resumed / "checkpoints" / "38")
+    _train_vae(env, *argv, "--output_dir", str(resumed), "--resume_from_checkpoint", "latest")
+    name = "diffusion_pytorch_model.safetensors"
+    assert (resumed / name).read_bytes() == (out / name).read_bytes()
 
     # diffusers' layout: config.json + diffusion_pytorch_model.safetensors, nothing sdx-specific
     assert sorted(p.name for p in out.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors")) == [

@@ -43,10 +43,10 @@ def tokenizer_fn(family, tokenizers):
 
 
 class DiffusionTask:
-    def __init__(self, cfg: TrainConfig, mesh, log=print):
+    def __init__(self, cfg: TrainConfig, mesh, log=print, restoring: bool = False):
         self.cfg, self.mesh, self.log = cfg, mesh, log
         self.folder = models.resolve_folder(cfg, log)
-        m = self.models = models.load(cfg, mesh, folder=self.folder, log=log)
+        m = self.models = models.load(cfg, mesh, folder=self.folder, log=log, restoring=restoring)
         self.module = m.unet
         fam = m.family
         sched = schedulers.from_name("ddpm", m.scheduler_config)

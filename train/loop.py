@@ -46,7 +46,7 @@ class Task(Protocol):
     `module` that the optimizer leaves alone (`optimizer.FrozenExcept`; the VAE's encoder under
     --decoder_only)."""
 
-    module: nnx.Module  # the trainable model, placed on the mesh
+    module: nnx.Module  # the trainable model, placed on the mesh (when restoring, abstract: the checkpoint fills it)
     constants: dict[str, jax.Array]  # arrays the loss reads besides the batch, fixed for the run
 
     def batch_shapes(self, host_batch: dict[str, np.ndarray]) -> dict[str, jax.ShapeDtypeStruct]: ...
@@ -112,7 +112,7 @@ def validation_due(cfg: TrainConfig, step: int, sched: Schedule) -> bool:
 
 
 def run(cfg: TrainConfig, make_task, open_data) -> int:
-    """make_task(cfg, mesh, log) -> Task; open_data(cfg) -> data.Source (columns checked)."""
+    """make_task(cfg, mesh, log, restoring) -> Task; open_data(cfg) -> data.Source (columns checked)."""
     out = Path(cfg.output_dir)
     io.check_writable(out, "--output_dir")  # created once the model has loaded: a bad input writes nothing
     source = open_data(cfg)
@@ -122,7 +122,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     resume = checkpoint.resolve(cfg.resume_from_checkpoint, out)
     metrics_log = print if jax.process_index() == 0 else (lambda *_: None)
 
-    task = make_task(cfg, mesh, metrics_log)
+    task = make_task(cfg, mesh, metrics_log, restoring=resume is not None)
     out.mkdir(parents=True, exist_ok=True)
     graphdef, params = nnx.split(task.module, nnx.Param)
     tx, lr_schedule = make_optimizer(cfg, sched.total)

@@ -39,7 +39,7 @@ PIX2PIX_CLASS = {False: "StableDiffusionInstructPix2PixPipeline", True: "StableD
 @dataclasses.dataclass
 class Models:
     """folder: the source sdx folder; spec: its sdx.json; family: what the *trained* model is (pix2pix
-    after widening); unet: trainable; vae, encoders: frozen; pipeline_class / unet_source_config: what
+    after widening); unet: trainable (abstract when restoring, see `load`); vae, encoders: frozen; pipeline_class / unet_source_config: what
     the exported model folder says."""
 
     folder: Path
@@ -73,7 +73,9 @@ def computes(cfg: TrainConfig) -> dict[str, Compute]:
     }
 
 
-def load(cfg: TrainConfig, mesh, *, folder: Path, log=print) -> Models:
+def load(cfg: TrainConfig, mesh, *, folder: Path, log=print, restoring: bool = False) -> Models:
+    """restoring: a resumed run's UNet, whose weights come from the checkpoint: built abstract (its shapes,
+    dtypes and shardings), its weights neither read nor placed (SDXL's are 10 GB in float32)."""
     spec = model_folder.read_spec(folder)
     source = family_of(spec["pipeline_class"], set(spec["components"]), spec["extra"])
     if source.aesthetic:
@@ -88,14 +90,15 @@ def load(cfg: TrainConfig, mesh, *, folder: Path, log=print) -> Models:
     family = family_of(pipeline_class, set(spec["components"]), spec["extra"])
     cp = computes(cfg)
     rule = meshlib.param_sharding(mesh)
-    load_one = lambda name, c: model_folder.load_component(
-        folder, name, dtype=c.param_dtype, compute=c, sharding=rule, spec=spec, abstract=executables.abstract_model)
+    load_one = lambda name, c, read=True: model_folder.load_component(
+        folder, name, dtype=c.param_dtype, compute=c, sharding=rule, spec=spec, abstract=executables.abstract_model,
+        read=read)
     entry = spec["components"]["unet"]
     unet_source = entry.get("source_config")
     if pix2pix and not source.pix2pix:
-        unet, unet_source = _widened_unet(folder, spec, cp["unet"], rule, log)
+        unet, unet_source = _widened_unet(folder, spec, cp["unet"], rule, log, read=not restoring)
     else:
-        unet = load_one("unet", cp["unet"])
+        unet = load_one("unet", cp["unet"], read=not restoring)
     return Models(
         folder=folder, spec=spec, family=family, pipeline_class=pipeline_class, unet=unet,
         vae=load_one("vae", cp["vae"]),
@@ -117,14 +120,17 @@ def widen_conv_in(arrays: dict[str, np.ndarray], in_channels: int) -> dict[str, 
     return {**arrays, "conv_in.kernel": np.concatenate([kernel, pad], axis=2)}
 
 
-def _widened_unet(folder: Path, spec, compute: Compute, rule, log):
-    """The pretrained UNet with 8 input channels (noisy latents + the input image's latents)."""
+def _widened_unet(folder: Path, spec, compute: Compute, rule, log, read: bool):
+    """The pretrained UNet with 8 input channels (noisy latents + the input image's latents); abstract
+    (placed, no weights read) unless `read`."""
     kind = model_folder.MODEL_KINDS["unet"]
     config = dataclasses.replace(model_folder.model_config(folder, "unet", spec=spec), in_channels=8)
-    arrays = widen_conv_in(dict(model_folder.read_arrays(folder, "unet", spec=spec)), 8)
     model = executables.abstract_model(kind, config, compute)
-    weights.check_arrays(weights.param_shapes(model), arrays, where="unet (conv_in widened to 8 channels)")
-    log("unet: conv_in widened from 4 to 8 input channels (new channels zero, kernel and bias kept)")
     source = spec["components"]["unet"].get("source_config")
     source = None if source is None else {**source, "in_channels": 8}
+    if not read:
+        return weights.placed_abstract(model, dtype=jnp.float32, sharding=rule), source
+    arrays = widen_conv_in(dict(model_folder.read_arrays(folder, "unet", spec=spec)), 8)
+    weights.check_arrays(weights.param_shapes(model), arrays, where="unet (conv_in widened to 8 channels)")
+    log("unet: conv_in widened from 4 to 8 input channels (new channels zero, kernel and bias kept)")
     return weights.materialize(model, arrays, dtype=jnp.float32, sharding=rule), source

@@ -92,19 +92,27 @@ def _reconstruct(vae: nnx.Module, x: jax.Array) -> jax.Array:
 
 
 class VAETask:
-    def __init__(self, cfg: TrainConfig, mesh, log=print):
+    def __init__(self, cfg: TrainConfig, mesh, log=print, restoring: bool = False):
+        """restoring: a resumed run, whose VAE stays abstract (shapes, dtypes and shardings): the checkpoint
+        fills it."""
         self.cfg, self.mesh, self.log = cfg, mesh, log
         compute = models.computes(cfg)["vae"]
         rule = meshlib.param_sharding(mesh)
         self.folder = None
         if cfg.vae_config:
             config = vae_config(cfg.vae_config)
-            self.module = AutoencoderKL(config, compute, rngs=nnx.Rngs(cfg.seed))
+            model = executables.abstract_model(model_folder.MODEL_KINDS["vae"], config, compute)
+            if restoring:
+                self.module = weights.placed_abstract(model, sharding=rule)
+            else:  # drawn on the default device, then placed on the mesh as loaded weights are
+                drawn = model_folder.module_arrays(AutoencoderKL(config, compute, rngs=nnx.Rngs(cfg.seed)))
+                self.module = weights.materialize(model, drawn, sharding=rule)
         else:
             self.folder = models.resolve_folder(cfg, log)
             self.spec = model_folder.read_spec(self.folder)
             self.module = model_folder.load_component(self.folder, "vae", dtype=jnp.float32, compute=compute,
-                                                      sharding=rule, spec=self.spec, abstract=executables.abstract_model)
+                                                      sharding=rule, spec=self.spec, abstract=executables.abstract_model,
+                                                      read=not restoring)
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
                                         random_flip=cfg.random_flip, seed=cfg.seed)
         self.constants = {}  # what the loss reads besides the batch: nothing
