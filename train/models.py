@@ -39,8 +39,8 @@ PIX2PIX_CLASS = {False: "StableDiffusionInstructPix2PixPipeline", True: "StableD
 @dataclasses.dataclass
 class Models:
     """folder: the source sdx folder; spec: its sdx.json; family: what the *trained* model is (pix2pix
-    after widening); unet: trainable (abstract when restoring, see `load`); vae, encoders: frozen; pipeline_class / unet_source_config: what
-    the exported model folder says."""
+    after widening); unet: trainable (abstract when restoring, see `load`); vae, encoders: frozen;
+    pipeline_class / unet_source_config: what the exported model folder says."""
 
     folder: Path
     spec: dict[str, Any]
