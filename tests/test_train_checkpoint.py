@@ -124,8 +124,21 @@ def test_small_leaves_are_saved_packed_one_vector_per_dtype(tmp_path, monkeypatc
     assert_same(restored, state)
 
 
+def test_arrays_are_stored_uncompressed(tmp_path):
+    """zstd off: a leaf of zeros takes its whole size on disk (compressed, its 4 MiB would take a few KiB)."""
+    zeros = jnp.zeros(2**20, jnp.float32)  # more than PACKED_MAX elements: saved by Orbax on its own
+    with checkpoint.Checkpoints(tmp_path) as ckpts:
+        ckpts.save(1, {"zeros": zeros}, {})
+        ckpts.wait()
+        restored, _ = ckpts.restore(1, {"zeros": jnp.ones_like(zeros)})
+    stored = sum(f.stat().st_size for f in (tmp_path / "1" / "state").rglob("*") if f.is_file())
+    assert stored >= zeros.nbytes, stored
+    assert_same(restored, {"zeros": zeros})
+
+
 def test_a_checkpoint_written_before_packing_restores(tmp_path):
-    """A checkpoint without layout/ (the state saved as one tree of arrays) restores, and is checked."""
+    """A checkpoint without layout/ (the state saved as one tree of arrays, zstd-compressed as Orbax's
+    default handler writes it) restores, and is checked."""
     import orbax.checkpoint as ocp
 
     state, meta = make_state(1), {"data": "position"}
