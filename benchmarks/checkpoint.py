@@ -32,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.sample import machine  # noqa: E402
+from benchmarks.train import unet_config  # noqa: E402
 from sdx import model_folder, presets  # noqa: E402
 from train import checkpoint  # noqa: E402
 
@@ -42,12 +43,9 @@ COMPARISONS = {
 }
 
 
-def state(preset: str, channels: str | None) -> dict:
-    """{params, mu, nu, ema: {name: array}, step} with the preset UNet's shapes."""
+def state(config: dict) -> dict:
+    """{params, mu, nu, ema: {name: array}, step} with the shapes of the UNet of diffusers config `config`."""
     kind = model_folder.MODEL_KINDS["unet"]
-    config = dict(presets.get(preset).configs["unet"])
-    if channels:
-        config["block_out_channels"] = [int(c) for c in channels.split(",")]
     shapes = kind.param_shapes(kind.config_from_diffusers(config))
     r = np.random.default_rng(0)
     copy = lambda: {name: jnp.asarray(r.standard_normal(shape, np.float32)) for name, shape in shapes.items()}
@@ -77,7 +75,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     methods = COMPARISONS[args.compare]
-    live = state(args.preset, args.channels)
+    live = state(unet_config(args))
     like = jax.tree.map(jnp.zeros_like, live)
     arrays = len(jax.tree.leaves(live))
     small = sum(x.size <= checkpoint.PACKED_MAX for x in jax.tree.leaves(live))
