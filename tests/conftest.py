@@ -67,6 +67,14 @@ def pytest_xdist_make_scheduler(config, log):
     return SlowFilesFirst(config, log)
 
 
+def _run_folder(tmp_path_factory, name: str) -> Path:
+    """The folder `name` that every pytest-xdist worker of this test run sees (made if missing)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
 # -- the demo models
 
 
@@ -78,9 +86,7 @@ def demo_build(tmp_path_factory):
     under a lock; the others wait for it and copy it."""
     from pipelines.demo import demo_folder
 
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "demo-builds"
-    shared.mkdir(exist_ok=True)
+    shared = _run_folder(tmp_path_factory, "demo-builds")
 
     def build(name: str, where: Path) -> Path:
         with open(shared / "lock", "w") as lock, contextlib.ExitStack() as unlock:
@@ -109,6 +115,46 @@ def demo_models(tmp_path_factory, demo_build):
 
 
 # -- what JAX does while a test runs
+
+
+MIN_COMPILE_SECS = 1.0  # JAX's default; 0 (every program, eager operations' too) made the suite no faster
+
+
+@pytest.fixture(scope="session")
+def compilation_cache_folder(tmp_path_factory) -> Path:
+    """The folder of JAX's persistent compilation cache that every worker of the test run, and every
+    process they start, uses (see `shared_compilation_cache`)."""
+    folder = _run_folder(tmp_path_factory, "jax-cache")
+    processes.share_compilation_cache(folder, MIN_COMPILE_SECS)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def shared_compilation_cache(compilation_cache_folder, monkeypatch):
+    """Each test starts with JAX's persistent compilation cache on (for programs that took `MIN_COMPILE_SECS`
+    or more to compile) in one folder that every worker of the test run and every process they start use:
+    the suite compiles the same tiny models' programs in many tests and processes, and XLA's compile is
+    much of its time. A test may set its own folder (a `python -m sdx.sample` run in the worker sets its
+    `--cache`'s); the next test starts with the shared one again.
+
+    In the workers this is JAX's cache alone, keyed by the lowered program, so every program is still
+    traced: sdx's own executables (`pipelines.executables`, keyed without tracing) stay off there unless a
+    test turns them on with a folder of its own, since tests patch code that runs while a program is
+    traced (to record what was traced, or to change a constant), which those keys do not see."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+    from pipelines import executables
+
+    shared = str(compilation_cache_folder)
+    if jax.config.jax_compilation_cache_dir != shared or not jax.config.jax_enable_compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", shared)
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECS)
+        jax_cache.reset_cache()  # JAX decides once per process whether, and where, its cache is used
+    own_folder = executables.folder
+    monkeypatch.setattr(executables, "folder", lambda: None if jax.config.jax_compilation_cache_dir == shared
+                        else own_folder())
 
 
 @pytest.fixture
