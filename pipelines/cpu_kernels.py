@@ -1,12 +1,15 @@
-"""The XLA:CPU options the sampler's programs are compiled with: YNNPACK for matrix products alone, and
-XLA's memory-optimized scheduler.
+"""The XLA:CPU options the sampler's programs are compiled with: YNNPACK for matrix products and
+reductions alone, and XLA's memory-optimized scheduler.
 
 XLA:CPU (jaxlib 0.10) hands dots, convolutions, reductions and elementwise work around them to YNNPACK
 fusions by default. Each fusion sets itself up on a program's first run, and its convolutions and fused
-work are slower than XLA's own; with YNNPACK off, SDXL's UNet loses its fast matrix products instead.
-YNNPACK for each matrix product alone (`INDIVIDUAL_DOT`) measured best for every program (2-core Sapphire
-Rapids VM, SD 1.5 and SDXL at 256² and 512², benchmarks/README.md): against the default, the first UNet
-call 0.4-4.1 s shorter, later ones equal to 5 % faster, the VAE decode 4-14 % faster.
+elementwise work are slower than XLA's own; with YNNPACK off, SDXL's UNet loses its fast matrix products
+instead. YNNPACK for each matrix product alone (`INDIVIDUAL_DOT`) measured best for every program against
+the default (2-core Sapphire Rapids VM, SD 1.5 and SDXL at 256² and 512², benchmarks/README.md): the
+first UNet call 0.4-4.1 s shorter, later ones equal to 5 % faster, the VAE decode 4-14 % faster. YNNPACK's
+reductions as well (`REDUCE`: a softmax's maximum and sum and the exponentials between them, group
+norms' sums) took SD 1.5's UNet call at 512² from 9.17 to 8.56 s, its decode from 9.86 to 9.57 s, and
+SDXL's decode at 256² from 2.57 to 2.50 s; SDXL's UNet call at 256² was unchanged (2-core AMD EPYC VM).
 
 XLA:CPU's default scheduler orders a program for concurrency: work that depends only on the parameters
 runs first. In bfloat16 that work is converting weights to the float32 copies XLA:CPU convolves with (and
@@ -30,7 +33,8 @@ import numpy as np
 
 YNNPACK_FUSIONS = "xla_cpu_experimental_ynn_fusion_type"
 SCHEDULER = "xla_cpu_scheduler_type"
-OPTIONS = {YNNPACK_FUSIONS: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT", SCHEDULER: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+OPTIONS = {YNNPACK_FUSIONS: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",
+           SCHEDULER: "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 # The XLA_FLAGS names that make each choice (XLA also still reads the scheduler's older switch).
 CHOSEN_BY = {YNNPACK_FUSIONS: (YNNPACK_FUSIONS,),
              SCHEDULER: (SCHEDULER, "xla_cpu_enable_concurrency_optimized_scheduler")}

@@ -84,8 +84,9 @@ class Pipeline:
         spec = model_folder.read_spec(folder)
         family = family_of(spec["pipeline_class"], set(spec["components"]), spec["extra"])
         pdt = jnp.dtype(dtype)
-        computes = {n: Compute(dtype=pdt, param_dtype=pdt, attention=attention) for n in ("unet", *family.encoders)}
-        computes["vae"] = Compute(dtype=jnp.dtype(vae_dtype), param_dtype=jnp.dtype(vae_dtype), attention=attention)
+        run = dict(attention=attention, batch_shards=mesh.devices.size)
+        computes = {n: Compute(dtype=pdt, param_dtype=pdt, **run) for n in ("unet", *family.encoders)}
+        computes["vae"] = Compute(dtype=jnp.dtype(vae_dtype), param_dtype=jnp.dtype(vae_dtype), **run)
         rule = meshlib.param_sharding(mesh)
         sched_cfg = model_folder.scheduler_config(folder, spec=spec)
         sched = schedulers.from_name(scheduler, sched_cfg) if scheduler else schedulers.from_config(sched_cfg)

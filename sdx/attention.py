@@ -16,14 +16,17 @@ field of the model (`attention=`), never a global:
   `python -m sdx.sample`'s default for float16 and bfloat16 on NVIDIA GPUs that have it (compute
   capability 8.0 or later): SDXL at 1024² in bfloat16 on an H100 samples 1.9× faster than with `xla`
   (benchmarks/README.md).
-- `chunked`: one head and `chunk_size` queries at a time under `lax.map` (the batch stays whole in
-  every block, so a batch split over devices stays split), so only a (batch, chunk, tokens_k) block of
-  logits exists at once, in the forward or the backward pass; attentions with fewer than
-  `BLOCKED_LOGITS` logits per head and image run as `xla`. For very long sequences (the 128² latent
-  of a 2048² image has 16,384 tokens: 1 GiB of float32 logits per head and image), and faster on a
-  CPU from 1,024 tokens on, where the blocks stay in cache (benchmarks/README.md: SD 1.5's
-  1,024- and 4,096-token self-attentions 2.5-3× faster than `xla`), so `python -m sdx.sample` takes it
-  there by default (`default_backend`).
+- `chunked`: one head, `chunk_size` queries and `shards` rows of the batch at a time under `lax.map`, so
+  only a (shards, chunk, tokens_k) block of logits exists at once, in the forward or the backward pass.
+  `shards` is the number of devices the batch is split over (1 on one device): a block takes one row
+  from each device's share of the batch, so a batch split over devices stays split and each device
+  works on one image's logits at a time. Attentions with fewer than `BLOCKED_LOGITS` logits per head and
+  image run as `xla`. For very long sequences (the 128² latent of a 2048² image has 16,384 tokens: 1 GiB
+  of float32 logits per head and image), and faster on a CPU from 1,024 tokens on, where the blocks stay
+  in cache (benchmarks/README.md: SD 1.5's 1,024- and 4,096-token self-attentions 2.5-3× faster than
+  `xla`; with the whole guidance batch in every block instead of one image, a 4,096-token one took 1.07×
+  as long at one image and 1.9× at four), so `python -m sdx.sample` takes it there by default
+  (`default_backend`).
 """
 
 from __future__ import annotations
@@ -72,26 +75,30 @@ def _reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: b
     return (out / total).astype(v.dtype)
 
 
-def _chunked(q, k, v, scale: float, causal: bool, chunk_size: int) -> jax.Array:
-    """One head and `chunk_size` queries at a time under `lax.map`, each block checkpointed, when the
-    (Tq, Tk) logits are large; `_reference` otherwise (see the module docstring)."""
+def _chunked(q, k, v, scale: float, causal: bool, chunk_size: int, shards: int) -> jax.Array:
+    """One head, `chunk_size` queries and gcd(B, shards) rows of the batch at a time under `lax.map`, each
+    block checkpointed, when the (Tq, Tk) logits are large; `_reference` otherwise (see the module
+    docstring)."""
     if causal:
         raise ValueError("attention='chunked' is for the image models; the causal text encoder uses 'xla'")
     b, tq, h, d = q.shape
     tk = k.shape[1]
     if tq * tk < BLOCKED_LOGITS:
         return _reference(q, k, v, scale, causal)
+    g = math.gcd(b, shards)  # rows per block: row i*n + j of the batch is row i of group j
+    n = b // g
     c = min(chunk_size, tq)
-    n = math.ceil(tq / c)
-    qp = jnp.pad(q, ((0, 0), (0, n * c - tq), (0, 0), (0, 0)))
-    blocks = qp.reshape(b, n, c, h, d).transpose(1, 3, 0, 2, 4).reshape(n * h, b, c, d)  # (n*H, B, c, D)
-    heads = jnp.tile(jnp.arange(h), n)  # the head of each block
-    k_heads, v_heads = k.transpose(2, 0, 1, 3), v.transpose(2, 0, 1, 3)  # (H, B, Tk, D)
+    m = math.ceil(tq / c)
+    qp = jnp.pad(q, ((0, 0), (0, m * c - tq), (0, 0), (0, 0)))
+    blocks = qp.reshape(g, n, m, c, h, d).transpose(1, 2, 4, 0, 3, 5).reshape(n * m * h, g, c, d)  # (n*m*H, g, c, D)
+    index = jnp.arange(n * m * h)
+    group, head = index // (m * h), index % h  # of each block
+    k_groups, v_groups = (a.reshape(g, n, tk, h, d).transpose(1, 3, 0, 2, 4) for a in (k, v))  # (n, H, g, Tk, D)
     # Checkpointed per block: without it the backward pass would keep every block's softmax weights,
     # i.e. the whole (Tq, Tk) matrix the blocking exists to avoid.
-    attend = jax.checkpoint(lambda qh: _reference(qh[0], k_heads[qh[1]], v_heads[qh[1]], scale, False))
-    out = jax.lax.map(attend, (blocks, heads))  # (n*H, B, c, D)
-    out = out.reshape(n, h, b, c, d).transpose(2, 0, 3, 1, 4).reshape(b, n * c, h, d)  # (B, Tq+pad, H, D)
+    attend = jax.checkpoint(lambda a: _reference(a[0], k_groups[a[1], a[2]], v_groups[a[1], a[2]], scale, False))
+    out = jax.lax.map(attend, (blocks, group, head))  # (n*m*H, g, c, D)
+    out = out.reshape(n, m, h, g, c, d).transpose(3, 0, 1, 4, 2, 5).reshape(b, m * c, h, d)  # (B, Tq+pad, H, D)
     return out[:, :tq]
 
 
@@ -170,9 +177,11 @@ def dot_product_attention(
     backend: Backend = "xla",
     causal: bool = False,
     scale: float | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 512,
+    shards: int = 1,
 ) -> jax.Array:
-    """Attention over split heads. q: (B, Tq, H, D); k, v: (B, Tk, H, D) -> (B, Tq, H, D)."""
+    """Attention over split heads. q: (B, Tq, H, D); k, v: (B, Tk, H, D) -> (B, Tq, H, D). chunk_size,
+    shards: the `chunked` backend's queries per block and the devices the batch is split over."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if backend == "xla":
@@ -184,5 +193,5 @@ def dot_product_attention(
         _log_fallback(reason)
         return _reference(q, k, v, scale, causal)
     if backend == "chunked":
-        return _chunked(q, k, v, scale, causal, chunk_size)
+        return _chunked(q, k, v, scale, causal, chunk_size, shards)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -26,6 +26,8 @@ class Compute:
 
     dtype: activations and matmuls; param_dtype: the stored weights; attention: the backend of
     `sdx.attention.dot_product_attention`; attention_chunk: query chunk for the `chunked` backend;
+    batch_shards: the devices the batch is split over (a mesh's size: `sdx.mesh.batch_sharding`), whose
+    shares the `chunked` backend keeps apart;
     conv: the backend of every convolution (`sdx.conv`; `auto` takes matrix products, or Winograd's, where
     they are faster on a CPU); remat: rematerialise (recompute in the backward pass) each UNet block, for training.
     """
@@ -34,6 +36,7 @@ class Compute:
     param_dtype: jnp.dtype = jnp.float32
     attention: Backend = "xla"
     attention_chunk: int = 512
+    batch_shards: int = 1
     conv: convlib.Backend = "auto"
     remat: bool = False
 
@@ -239,7 +242,7 @@ class Attention(nnx.Module):
     ):
         inner = heads * head_dim
         kv_dim = context_dim or query_dim
-        self.backend, self.chunk = cp.attention, cp.attention_chunk
+        self.backend, self.chunk, self.shards = cp.attention, cp.attention_chunk, cp.batch_shards
         self.heads, self.head_dim = heads, head_dim
         self.residual, self.rescale_output_factor = residual, rescale_output_factor
         self.reads_context = context_dim is not None
@@ -279,7 +282,7 @@ class Attention(nnx.Module):
         q = self.to_q(h)
         o = dot_product_attention(
             q.reshape(q.shape[0], q.shape[1], self.heads, self.head_dim), k, v,  # (B, T, H, D)
-            backend=self.backend, chunk_size=self.chunk,
+            backend=self.backend, chunk_size=self.chunk, shards=self.shards,
         )
         return self.to_out[0](o.reshape(o.shape[0], o.shape[1], -1))  # (B, T, H*D) -> (B, T, C)
 

@@ -4,7 +4,8 @@
 
 trains into OUT/a; with --resume also copies OUT/a's step-2 checkpoint into OUT/b and resumes there.
 Every parameter of the tiny model is split over fsdp (sdx splits only tensors of 2**18 elements or
-more, which a tiny model has none of); the child checks the training state really is split."""
+more, which a tiny model has none of); the child checks the training state really is split, and that the
+models were built knowing the batch is split over the 4 devices (`Compute.batch_shards`)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,19 @@ from pathlib import Path
 import jax
 
 from sdx import mesh as meshlib
-from train import pix2pix, step as steplib
+from train import models, pix2pix, step as steplib
 
 meshlib.param_sharding.__defaults__ = (1,)
 split: list[int] = []  # per run: the state's leaves split over fsdp (a resumed run's restore target's)
+shards: set[int] = set()  # Compute.batch_shards of the models built on a mesh
+computes = models.computes
+
+
+def _computes(cfg, mesh=None):
+    out = computes(cfg, mesh)
+    if mesh is not None:  # (without one: a caller asking for a dtype alone)
+        shards.update(c.batch_shards for c in out.values())
+    return out
 
 
 def _recording(make):
@@ -30,6 +40,7 @@ def _recording(make):
 
 
 steplib.init_state, steplib.abstract_state = _recording(steplib.init_state), _recording(steplib.abstract_state)
+models.computes = _computes
 out, rest = Path(sys.argv[1]), sys.argv[2:]
 resume = rest[:1] == ["--resume"]
 flags = rest[1:] if resume else rest
@@ -39,4 +50,5 @@ if resume:
     shutil.copytree(out / "a" / "checkpoints" / "2", out / "b" / "checkpoints" / "2")
     assert pix2pix.train([*flags, "--output_dir", str(out / "b"), "--resume_from_checkpoint", "latest"]) == 0
 assert jax.device_count() == 4 and len(split) == 1 + resume and all(n > 100 for n in split), (jax.device_count(), split)
+assert shards == {4}, shards  # every model's batch is split over the 4 devices
 print("state leaves split over fsdp:", split)

@@ -3,7 +3,11 @@ chosen only for the calls it can take."""
 
 import logging
 import math
+import subprocess
+import sys
+import textwrap
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +16,9 @@ import pytest
 
 from sdx import attention
 from sdx.attention import cudnn_rejects, dot_product_attention
+from tests.processes import child_env
+
+REPO = Path(__file__).resolve().parents[1]
 
 needs_nvidia_gpu = pytest.mark.skipif(
     jax.default_backend() != "gpu",
@@ -65,11 +72,54 @@ def test_chunked_equals_xla(tq, chunk, monkeypatch):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
 
 
-def test_chunked_gradient_equals_xla(monkeypatch):
+@pytest.mark.parametrize("b, shards", [(4, 1), (4, 2), (4, 4), (6, 4)])  # one row a block, 2, all, gcd(6, 4) = 2
+def test_chunked_blocks_of_batch_rows_equal_xla(b, shards, monkeypatch):
     monkeypatch.setattr(attention, "BLOCKED_LOGITS", 1)
-    q, k, v = _qkv(tq=37)
+    q, k, v = _qkv(b=b, tq=37)
+    q = q * (1 + jnp.arange(b, dtype=q.dtype) / 4)[:, None, None, None]  # rows unlike each other: a swap shows
+    ref = dot_product_attention(q, k, v, backend="xla")
+    out = dot_product_attention(q, k, v, backend="chunked", chunk_size=16, shards=shards)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6)  # outputs about 1; rows swapped: 1
+
+
+def test_a_batch_split_over_devices_stays_split_in_chunked_blocks(tmp_path):
+    """On four devices, blocks of one row per device's share need no collective; blocks of one row of the
+    batch (shards=1) would gather the batch onto every device (the check can fail)."""
+    script = textwrap.dedent(
+        """
+        import re
+        import jax, numpy as np
+        from sdx import attention, mesh as meshlib
+        attention.BLOCKED_LOGITS = 1
+        mesh = meshlib.make_mesh()
+        assert mesh.devices.size == 4, mesh
+        r = np.random.default_rng(0)
+        q, k, v = (r.standard_normal((8, t, 3, 8)).astype(np.float32) for t in (37, 29, 29))
+        split = meshlib.batch_sharding(mesh, 4)
+        ref = attention.dot_product_attention(q, k, v, backend="xla")
+        for shards in (1, 4):
+            run = jax.jit(lambda q, k, v: attention.dot_product_attention(q, k, v, backend="chunked", chunk_size=16,
+                                                                          shards=shards),
+                          in_shardings=(split,) * 3, out_shardings=split)
+            text = run.lower(q, k, v).compile().as_text()
+            found = sorted(set(re.findall(r"(all-gather|all-to-all|collective-permute|all-reduce)", text)))
+            np.testing.assert_allclose(np.asarray(run(q, k, v)), np.asarray(ref), atol=1e-6)
+            print(shards, ",".join(found) or "none")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(devices=4), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    whole_batch, split_batch = proc.stdout.splitlines()[:2]
+    assert whole_batch != "1 none" and split_batch == "4 none", proc.stdout
+
+
+@pytest.mark.parametrize("b, shards", [(2, 1), (4, 2)])
+def test_chunked_gradient_equals_xla(b, shards, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCKED_LOGITS", 1)
+    q, k, v = _qkv(b=b, tq=37)
     loss = lambda backend: lambda q, k, v: jnp.sum(
-        jnp.sin(dot_product_attention(q, k, v, backend=backend, chunk_size=16))
+        jnp.sin(dot_product_attention(q, k, v, backend=backend, chunk_size=16, shards=shards))
     )
     with jax.default_matmul_precision("highest"):  # on a GPU, TF32 products failed 1e-5 in one of two runs
         g_ref = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)

@@ -15,9 +15,9 @@ def _cpu_mesh():
     return meshlib.make_mesh(devices=jax.devices("cpu")[:1])
 
 
-def test_on_a_cpu_ynnpack_takes_the_matrix_products_alone_and_the_schedule_saves_memory():
+def test_on_a_cpu_ynnpack_takes_the_matrix_products_and_reductions_and_the_schedule_saves_memory():
     assert cpu_kernels.compiler_options(_cpu_mesh()) == {
-        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT",
+        "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE",
         "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 

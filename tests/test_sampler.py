@@ -255,9 +255,10 @@ def _ynn_fusions(hlo: str) -> list[tuple[str, ...]]:
     return [computations[c] for c in re.findall(r"kind=kCustom, calls=%(\S+?),.*__ynn_fusion", hlo)]
 
 
-def test_on_a_cpu_ynnpack_computes_the_matrix_products_alone(tiny_xl):
-    """pipelines.cpu_kernels: every YNNPACK fusion of the three programs is one dot, where the same decode
-    compiled with XLA's defaults also hands YNNPACK convolutions, reductions and fused elementwise work."""
+def test_on_a_cpu_ynnpack_computes_the_matrix_products_and_reductions_alone(tiny_xl):
+    """pipelines.cpu_kernels: every YNNPACK fusion of the three programs is a dot or a reduction (with the
+    elementwise work that feeds it), the dots all on their own in some, never a convolution, where the same
+    decode compiled with XLA's defaults also hands YNNPACK convolutions."""
     mesh = meshlib.make_mesh(devices=jax.devices("cpu")[:1])
     pipe = Pipeline.load(tiny_xl, mesh=mesh)
     request = Request(prompts=["a red fox"], height=32, width=32, steps=2, guidance_scale=5.0)
@@ -266,7 +267,8 @@ def test_on_a_cpu_ynnpack_computes_the_matrix_products_alone(tiny_xl):
     assert cpu_kernels.compiler_options(mesh) == cpu_kernels.OPTIONS
     for program in (programs.prepare, *programs.denoise.values(), programs.decode):
         fusions = _ynn_fusions(program.as_text())
-        assert fusions and set(fusions) == {("parameter", "parameter", "dot")}
+        assert ("parameter", "parameter", "dot") in fusions and ("parameter", "parameter", "reduce") in fusions
+        assert all(("dot" in f or "reduce" in f) and "convolution" not in f for f in fusions), set(fusions)
     latents = jax.ShapeDtypeStruct(programs.prepare.out_info[0].latents.shape, jnp.float32)
     default = jax.jit(functools.partial(_decode, pipe.sampler.graphdefs["vae"], devices=1)).lower(pipe.sampler.params["vae"], latents)
     assert {"convolution", "reduce", "exponential"} <= {op for f in _ynn_fusions(default.compile().as_text()) for op in f}
@@ -346,17 +348,25 @@ def test_update_takes_new_weights_of_the_same_structure_only(tiny_xl):
 
 
 def test_sharded_equals_single_device(tiny_xl, tmp_path):
+    """With `chunked` attention blocking every attention, whose blocks take one row of each device's share
+    of the batch (`Compute.batch_shards`, the mesh's size)."""
     script = textwrap.dedent(
         f"""
         import jax, numpy as np
         from pipelines.pipeline import Pipeline
         from pipelines.request import Request
-        from sdx import mesh as meshlib
+        from sdx import attention, mesh as meshlib
         assert jax.device_count() == 4, jax.devices()
+        attention.BLOCKED_LOGITS = 1
         req = Request(prompts=["a red fox", "a boat"], num_images_per_prompt=2, height=64, width=64, steps=3, seed=3)
-        single = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))(req)
-        data = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(devices=jax.devices()[:2]))(req)  # 2 turns
-        fsdp = Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(fsdp=2))(req)
+        def generate(mesh):
+            pipe = Pipeline.load({str(tiny_xl)!r}, mesh=mesh, attention="chunked")
+            shards = {{m.compute.batch_shards for m in pipe.sampler.models.values()}}
+            assert shards == {{mesh.devices.size}}, (shards, mesh)
+            return pipe(req)
+        single = generate(meshlib.make_mesh(devices=jax.devices()[:1]))
+        data = generate(meshlib.make_mesh(devices=jax.devices()[:2]))  # 2 turns
+        fsdp = generate(meshlib.make_mesh(fsdp=2))
         sharded_params = [
             leaf for leaf in jax.tree.leaves(Pipeline.load({str(tiny_xl)!r}, mesh=meshlib.make_mesh(fsdp=4)).sampler.params)
             if len(leaf.sharding.device_set) == 4 and not leaf.sharding.is_fully_replicated

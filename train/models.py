@@ -63,13 +63,15 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
                          log=log, options=options, variant=cfg.variant, revision=cfg.revision)
 
 
-def computes(cfg: TrainConfig) -> dict[str, Compute]:
-    """How each model runs: the UNet trains in the compute dtype with float32 master weights."""
+def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
+    """How each model runs on `mesh` (whose devices split the batch): the UNet trains in the compute dtype
+    with float32 master weights."""
     dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
+    run = dict(attention=cfg.attention, batch_shards=mesh.devices.size if mesh is not None else 1)
     return {
-        "unet": Compute(dtype=dtype, param_dtype=jnp.float32, attention=cfg.attention, remat=cfg.gradient_checkpointing),
-        "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, attention=cfg.attention),
-        "text": Compute(dtype=dtype, param_dtype=dtype, attention=cfg.attention),
+        "unet": Compute(dtype=dtype, param_dtype=jnp.float32, remat=cfg.gradient_checkpointing, **run),
+        "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, **run),
+        "text": Compute(dtype=dtype, param_dtype=dtype, **run),
     }
 
 
@@ -88,7 +90,7 @@ def load(cfg: TrainConfig, mesh, *, folder: Path, log=print, restoring: bool = F
     pix2pix = cfg.task == "pix2pix"
     pipeline_class = PIX2PIX_CLASS[source.xl] if pix2pix else spec["pipeline_class"]
     family = family_of(pipeline_class, set(spec["components"]), spec["extra"])
-    cp = computes(cfg)
+    cp = computes(cfg, mesh)
     rule = meshlib.param_sharding(mesh)
     load_one = lambda name, c, read=True: model_folder.load_component(
         folder, name, dtype=c.param_dtype, compute=c, sharding=rule, spec=spec, abstract=executables.abstract_model,

@@ -96,7 +96,7 @@ class VAETask:
         """restoring: a resumed run, whose VAE stays abstract (shapes, dtypes and shardings): the checkpoint
         fills it."""
         self.cfg, self.mesh, self.log = cfg, mesh, log
-        compute = models.computes(cfg)["vae"]
+        compute = models.computes(cfg, mesh)["vae"]
         rule = meshlib.param_sharding(mesh)
         self.folder = None
         if cfg.vae_config:
