@@ -1,15 +1,16 @@
 """The sampler's three programs timed one by one, compiled with sdx's XLA:CPU options against XLA's
-defaults, in one run.
+defaults (or against sdx's options with some changed), in one run.
 
-    python benchmarks/programs.py --preset sdxl_base --size 512 --steps 3 [--rounds 2]
+    python benchmarks/programs.py --preset sdxl_base --size 512 --steps 3 [--rounds 2] [--option NAME=VALUE ...]
 
-sdx compiles its programs with the options of `pipelines/cpu_kernels.py` (on a CPU: YNNPACK for the
-matrix products alone, the memory-optimized scheduler); `default` compiles them with none. Each choice runs in a fresh process of its
-own, without a compilation cache (both compile), the two alternated `--rounds` times, on the same
-random-weight model as `benchmarks/sample.py` builds. A process runs prepare and decode twice and the
-denoise program once per model call of the schedule; printed per program: the first call's seconds (a
-program's first run sets up what it needs: YNNPACK's fusions do) and the median of the later calls,
-each the median over rounds, and the ratio sdx / default.
+sdx compiles its programs with the options of `pipelines/cpu_kernels.py` (on a CPU: which work YNNPACK
+takes, the memory-optimized scheduler); `default` compiles them with none, or, given `--option`, with
+sdx's options and those changed. Each choice runs in a fresh process of its own, without a compilation
+cache (both compile), the two alternated `--rounds` times, on the same random-weight model as
+`benchmarks/sample.py` builds. A process runs prepare and decode twice and the denoise program once per
+model call of the schedule; printed per program: the first call's seconds (a program's first run sets up
+what it needs: YNNPACK's fusions do) and the median of the later calls, each the median over rounds, and
+the ratio sdx / default.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def run_worker(args) -> dict:
     from pipelines.request import Request
 
     if args.worker == "default":
-        cpu_kernels.compiler_options = lambda mesh: {}
+        options = default_options(args.option)
+        cpu_kernels.compiler_options = lambda mesh: options
     folder = ensure_sdx_folder(args.folder, cache_dir=Path(args.work) / "sdx")
     pipe = Pipeline.load(folder, attention=args.attention)
     request = Request(prompts=[PROMPT], height=args.size, width=args.size, steps=args.steps, seed=0, guidance_scale=7.0)
@@ -67,6 +69,13 @@ def run_worker(args) -> dict:
     return seconds
 
 
+def default_options(changes: list[str]) -> dict[str, str]:
+    """The `default` choice's compile options: none, or sdx's with each NAME=VALUE of `changes` set."""
+    from pipelines import cpu_kernels
+
+    return {**cpu_kernels.OPTIONS, **dict(c.split("=", 1) for c in changes)} if changes else {}
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="sd15")
@@ -74,10 +83,16 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--attention", default="chunked")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="compare against sdx's options with this one changed (repeatable), not XLA's defaults")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "sdx-bench"), help="where models are built")
     p.add_argument("--worker", choices=CHOICES, help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for change in args.option:
+        if "=" not in change:
+            p.error(f"--option takes NAME=VALUE (an XLA compile option and its value), not {change!r}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -94,7 +109,8 @@ def main(argv=None) -> int:
         for choice, seconds in zip(CHOICES, results):
             runs[choice].append(seconds)
     print(f"# {machine()}; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, float32, "
-          f"attention {args.attention}; median of {args.rounds} alternated round(s)")
+          f"attention {args.attention}; median of {args.rounds} alternated round(s); "
+          f"default = {'sdx with ' + ', '.join(args.option) if args.option else 'no options'}")
     print("| program | default: first call | default: later calls | sdx: first call | sdx: later calls | sdx / default (later) |")
     print("|---|---|---|---|---|---|")
     for program in runs["sdx"][0]:
