@@ -104,6 +104,7 @@ def residuals(
     cond: Conditioning,
     texts: Sequence[TextContext],
     branches: int,
+    shared: int,
     guess_mode: bool,
     xl: bool,
 ) -> tuple[tuple[jax.Array, ...], jax.Array]:
@@ -112,7 +113,8 @@ def residuals(
     images: per ControlNet (B, H, W, C) in [0, 1]; scales: (nets,) this call's scales; latents (B, h, w, C)
     scaled for the model (no extra channels); timestep (); cond: the UNet batch's conditioning (B * branches
     rows, image-major, the text branch last, see `pipelines.guidance`); texts: per ControlNet, its
-    `text_context` of `cond.context`. -> residuals for B * branches rows.
+    `text_context` of `cond.context`; shared: how many consecutive rows share their input (`Guidance.shared`),
+    which the ControlNets then read once. -> residuals for B * branches rows.
     """
     text_only = guess_mode and branches > 1
     if text_only:  # the text branch's rows; the others get zeros below
@@ -120,7 +122,8 @@ def residuals(
         cond, texts = jax.tree.map(pick, (cond, tuple(texts)))
         x, rows = latents, lambda a: a
     else:
-        x, rows = jnp.repeat(latents, branches, axis=0), lambda a: jnp.repeat(a, branches, axis=0)  # (B*n, ...)
+        rows = lambda a: jnp.repeat(a, branches // shared, axis=0)  # (B*n/shared, ...)
+        x = rows(latents)
     added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if xl else None
     t = jnp.broadcast_to(timestep, (x.shape[0],))
     total = None

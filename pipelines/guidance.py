@@ -83,10 +83,17 @@ class Guidance:
             return None
         return BlankRows(self.branches, self.negative_branches)
 
-    def model_input(self, latents: jax.Array, cond: Conditioning) -> jax.Array:
-        """latents (B, h, w, C) -> (B * branches, h, w, C + K), with `cond.image`'s K channels appended."""
-        x = jnp.repeat(latents, self.branches, axis=0)  # (B*n, h, w, C), image-major like `cond`
-        return x if cond.image is None else jnp.concatenate([x, cond.image.astype(x.dtype)], axis=-1)
+    def shared(self, family: Family) -> int:
+        """How many consecutive rows of the UNet batch take the same input (latents, image channels and
+        timestep), so that the UNet runs what comes before its first text-reading attention once for them
+        (`UNet2DConditionModel.__call__`): 1 unless a subclass says otherwise."""
+        return 1
+
+    def model_input(self, latents: jax.Array, cond: Conditioning, shared: int) -> jax.Array:
+        """latents (B, h, w, C) -> (B * branches / shared, h, w, C + K), with `cond.image`'s K channels
+        appended (the first of each `shared` rows: the same in all of them, see `shared`)."""
+        x = jnp.repeat(latents, self.branches // shared, axis=0)  # (B*n/shared, h, w, C), image-major like `cond`
+        return x if cond.image is None else jnp.concatenate([x, cond.image[::shared].astype(x.dtype)], axis=-1)
 
     def combine(self, out: jax.Array, scales: Scales) -> jax.Array:
         raise NotImplementedError
@@ -112,6 +119,11 @@ class ClassifierFree(Guidance):
 
     def conditioning(self, text, negative):
         return _interleave(negative, text)
+
+    def shared(self, family):
+        """Both branches, unless the time embedding reads the pooled text (SDXL): an inpainting model's
+        image channels are the same in both (`pipelines.sampler`), and InstructPix2Pix never guides this way."""
+        return 1 if family.xl else self.branches
 
     def combine(self, out, scales):
         uncond, cond = _split(out, 2)

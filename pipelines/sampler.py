@@ -321,17 +321,18 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
     nets = [nnx.merge(graphdefs[name], params[name]) for name in _controlnet_names(plan)]
     sched, guide, cond = plan.scheduler, plan.guidance, fixed.cond
     added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if plan.family.xl else None
+    shared = guide.shared(plan.family)  # rows of the guidance batch whose input the UNet reads once
 
     def call(_, carry: Carry) -> Carry:
         st, x = carry.state, carry.latents
         c = plan.begin + st.index  # call index in the full schedule, so a refiner continues the base's stream
         latents_in = sched.scale_model_input(st, x).astype(unet.compute.dtype)
-        model_in = guide.model_input(latents_in, cond)
+        model_in = guide.model_input(latents_in, cond, shared)
         t = jnp.broadcast_to(st.timestep, (model_in.shape[0],))
         res = {}
         if nets:
             down, mid = control.residuals(nets, fixed.control, fixed.control_scales[:, st.index], latents_in,
-                                          st.timestep, cond, fixed.control_text, guide.branches, plan.guess_mode,
+                                          st.timestep, cond, fixed.control_text, guide.branches, shared, plan.guess_mode,
                                           plan.family.xl)
             res = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
         out = guide.combine(unet(model_in, t, fixed.text, added, **res).astype(jnp.float32), fixed.scales)

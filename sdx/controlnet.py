@@ -27,7 +27,7 @@ from flax import nnx
 from sdx import diffusers_config
 from sdx.config import COUNT, COUNT_LIST, FLAG, NAME, JsonConfig, Kind
 from sdx.errors import SdxError
-from sdx.layers import F32, Compute, conv
+from sdx.layers import F32, Compute, conv, widen
 from sdx.unet import UNetConfig, UNetEncoder
 
 CHANNEL_ORDERS = ("rgb", "bgr")
@@ -183,10 +183,11 @@ class ControlNetModel(UNetEncoder):
         as in diffusers).
 
         -> (down residuals, one per UNet skip connection, each like its skip (B, H_i, W_i, C_i); the mid
-        residual (B, H_mid, W_mid, C_mid)); with global_pool_conditions each is (B, 1, 1, C).
+        residual (B, H_mid, W_mid, C_mid)); with global_pool_conditions each is (B, 1, 1, C). B is the
+        context's rows; the sample's and the image's may be shared by n of them, as the UNet's.
         """
         c = self.config
-        b = self._check_inputs(sample, encoder_hidden_states)
+        b, rows = self._check_inputs(sample, encoder_hidden_states)
         self._check_image(controlnet_cond, sample)
         if jnp.ndim(conditioning_scale) != 0:
             raise SdxError(f"controlnet: conditioning_scale must be one number, not {jnp.shape(conditioning_scale)}")
@@ -197,8 +198,8 @@ class ControlNetModel(UNetEncoder):
         x = self.conv_in(sample.astype(self.dtype)) + self.controlnet_cond_embedding(image)
         x, skips = self._down(x, temb, encoder_hidden_states)
         x = self._run(self.mid_block, x, temb, encoder_hidden_states)
-        residuals = [zero_conv(s) for zero_conv, s in zip(self.controlnet_down_blocks, skips)]
-        residuals.append(self.controlnet_mid_block(x))
+        residuals = [widen(zero_conv(s), rows) for zero_conv, s in zip(self.controlnet_down_blocks, skips)]
+        residuals.append(widen(self.controlnet_mid_block(x), rows))
 
         n = len(residuals)
         steps = np.logspace(-1, 0, n) if guess_mode and not c.global_pool_conditions else np.ones(n)

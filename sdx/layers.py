@@ -102,6 +102,13 @@ def timestep_embedding(
     return emb
 
 
+def widen(x: jax.Array, rows: int) -> jax.Array:
+    """x (b, ...) -> (rows, ...), each row repeated rows // b times in place: an activation computed once for
+    consecutive rows of a batch that share it (a sampler's guidance branches of one image,
+    `UNet2DConditionModel.__call__`) meeting a batch of `rows`. x itself when it has `rows` rows."""
+    return x if x.shape[0] == rows else jnp.repeat(x, rows // x.shape[0], axis=0)
+
+
 class TimestepEmbedding(nnx.Module):
     """linear_1 -> SiLU -> linear_2 (diffusers TimestepEmbedding)."""
 
@@ -134,7 +141,7 @@ class ResnetBlock2D(nnx.Module):
     def __call__(self, x, temb=None):
         h = self.conv1(jax.nn.silu(self.norm1(x)))
         if self.time_emb_proj is not None:
-            h = h + self.time_emb_proj(jax.nn.silu(temb))[:, None, None, :]
+            h = h + widen(self.time_emb_proj(jax.nn.silu(temb)), h.shape[0])[:, None, None, :]
         h = self.conv2(jax.nn.silu(self.norm2(h)))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
@@ -342,7 +349,14 @@ class BasicTransformerBlock(nnx.Module):
         self.ff = FeedForward(cp, dim, rngs=rngs)
 
     def __call__(self, x, context):
-        x = x + self.attn1(self.norm1(x), context if self.only_cross_attention else None)
+        """x (b, T, C) -> (B, T, C), B the context's rows: x may have fewer, B / n, each shared by n
+        consecutive rows of the batch (`widen`), until the first attention that reads the text."""
+        rows = (context.states if isinstance(context, TextContext) else context).shape[0]
+        if self.only_cross_attention:
+            x = widen(x, rows)
+            x = x + self.attn1(self.norm1(x), context)
+        else:
+            x = widen(x + self.attn1(self.norm1(x)), rows)
         x = x + self.attn2(self.norm2(x), context)
         return x + self.ff(self.norm3(x))
 
@@ -375,17 +389,18 @@ class Transformer2DModel(nnx.Module):
         self.proj_out = make(inner, channels)
 
     def __call__(self, x, context):
+        """x (b, H, W, C) -> (B, H, W, C): B the context's rows, which x's may share (`BasicTransformerBlock`)."""
         b, hh, ww, c = x.shape
         h = self.norm(x)
         if self.use_linear_projection:
-            h = self.proj_in(h.reshape(b, hh * ww, c))  # (B, HW, inner)
+            h = self.proj_in(h.reshape(b, hh * ww, c))  # (b, HW, inner)
         else:
             h = self.proj_in(h)
-            h = h.reshape(b, hh * ww, h.shape[-1])  # (B, HW, inner)
+            h = h.reshape(b, hh * ww, h.shape[-1])  # (b, HW, inner)
         for block in self.transformer_blocks:
-            h = outline.call(block, h, block.own(context))
+            h = outline.call(block, h, block.own(context))  # (B, HW, inner)
         if self.use_linear_projection:
-            h = self.proj_out(h).reshape(b, hh, ww, c)
+            h = self.proj_out(h).reshape(h.shape[0], hh, ww, c)  # (B, H, W, C)
         else:
-            h = self.proj_out(h.reshape(b, hh, ww, h.shape[-1]))
-        return h + x
+            h = self.proj_out(h.reshape(h.shape[0], hh, ww, h.shape[-1]))  # (B, H, W, inner) -> (B, H, W, C)
+        return h + widen(x, h.shape[0])

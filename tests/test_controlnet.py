@@ -141,9 +141,9 @@ def test_a_kept_abstract_model_loads_the_same_controlnet(tmp_path, monkeypatch):
         np.testing.assert_array_equal(a, b)
 
 
-def test_unet_adds_residuals_as_diffusers():
-    """The residuals of a ControlNet made from the UNet (diffusers' from_unet) added by both UNets."""
-    d = UNET_CASES["sd1"]
+def _from_unet(d):
+    """A perturbed diffusers UNet, a perturbed ControlNet made from it (diffusers' from_unet), and the same
+    two in sdx."""
     cfg = U.UNetConfig.from_diffusers_config(d)
     torch_unet = _torch_unet(d)
     torch_cn = _perturbed(
@@ -151,9 +151,14 @@ def test_unet_adds_residuals_as_diffusers():
     )
     # ControlNetConfig(unet=...) is diffusers' from_unet: the same parameters, strictly
     cn_cfg = ControlNetConfig(unet=cfg, conditioning_embedding_out_channels=tuple(SMALL_EMBEDDING))
-    cn = W.abstract(lambda r: ControlNetModel(cn_cfg, rngs=r))
-    W.from_torch_keys(W.param_shapes(cn), {k: v.numpy() for k, v in torch_cn.state_dict().items()}, where="from_unet")
+    cn = W.load_torch_state(W.abstract(lambda r: ControlNetModel(cn_cfg, rngs=r)),
+                            {k: v.numpy() for k, v in torch_cn.state_dict().items()}, where="from_unet")
+    return cfg, torch_unet, torch_cn, _sdx_unet(cfg, torch_unet), cn
 
+
+def test_unet_adds_residuals_as_diffusers():
+    """The residuals of a ControlNet made from the UNet (diffusers' from_unet) added by both UNets."""
+    cfg, torch_unet, torch_cn, unet, _ = _from_unet(UNET_CASES["sd1"])
     x, t, ctx, _ = _inputs(cfg, (8, 8))
     image = np.random.default_rng(3).random((2, 3, 64, 64), dtype=np.float32)
     with torch.no_grad():
@@ -163,13 +168,39 @@ def test_unet_adds_residuals_as_diffusers():
                          down_block_additional_residuals=down, mid_block_additional_residual=mid).sample.numpy()
         plain = torch_unet(torch.from_numpy(x), torch.from_numpy(t), torch.from_numpy(ctx)).sample.numpy()
     out = _nchw(nnx.jit(lambda m, *a: m(*a[:3], None, *a[3:]))(
-        _sdx_unet(cfg, torch_unet), _nhwc(x), jnp.asarray(t), jnp.asarray(ctx),
-        tuple(_nhwc(r.numpy()) for r in down), _nhwc(mid.numpy()),
+        unet, _nhwc(x), jnp.asarray(t), jnp.asarray(ctx), tuple(_nhwc(r.numpy()) for r in down), _nhwc(mid.numpy()),
     ))
     err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
     print(f"unet with residuals: max abs err {err:.2e} (output scale {scale:.2f})")
     assert np.abs(ref - plain).max() > 0.1 * scale  # the residuals matter
     assert err <= 1e-4 * scale
+
+
+def test_shared_sample_rows_give_diffusers_residuals_and_output():
+    """A sampler's classifier-free guidance, both branches reading one image's latents and control image:
+    the ControlNet and the UNet given the sample (and the image) once for two context rows give diffusers'
+    results for them repeated."""
+    cfg, torch_unet, torch_cn, unet, cn = _from_unet(UNET_CASES["sd1"])
+    x, _, ctx, _ = _inputs(cfg, (8, 8))
+    x, t = x[:1], np.float32(321.0)
+    image = np.random.default_rng(3).random((1, 3, 64, 64), dtype=np.float32)
+    with torch.no_grad():
+        repeated = lambda a: torch.from_numpy(np.repeat(a, 2, axis=0))  # noqa: E731
+        down, mid = torch_cn(repeated(x), torch.full((2,), t), torch.from_numpy(ctx), repeated(image),
+                             conditioning_scale=0.8, return_dict=False)
+        ref = torch_unet(repeated(x), torch.full((2,), t), torch.from_numpy(ctx),
+                         down_block_additional_residuals=down, mid_block_additional_residual=mid).sample.numpy()
+
+    def run(unet, cn, x, ctx, image):
+        down, mid = cn(x, t, ctx, image, 0.8)
+        return down, mid, unet(x, t, ctx, None, down, mid)
+
+    got_down, got_mid, out = nnx.jit(run)(unet, cn, _nhwc(x), jnp.asarray(ctx), _nhwc(image))
+    for i, (got, want) in enumerate([*zip(got_down, down), (got_mid, mid), (out, torch.from_numpy(ref))]):
+        got, want = _nchw(got), want.numpy()
+        assert got.shape == want.shape, (i, got.shape, want.shape)
+        err, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
+        assert scale > 0.05 and err <= 1e-4 * scale, f"output {i}: max abs err {err:.3e} vs scale {scale:.3f}"
 
 
 def test_residuals_are_checked():

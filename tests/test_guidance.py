@@ -51,9 +51,24 @@ def test_unet_batch_is_image_major(kind, branches):
                 expected = 10 * (1.0 + j) if with_image else 0.0
                 assert float(cond.image[row, 0, 0, 0]) == expected
     latents = jnp.arange(B, dtype=jnp.float32).reshape(B, 1, 1, 1) + jnp.zeros((B, 2, 2, 4))
-    model_in = kind.model_input(latents, cond)
+    model_in = kind.model_input(latents, cond, 1)
     assert model_in.shape == (B * kind.branches, 2, 2, 8 if image else 4)
     np.testing.assert_array_equal(model_in[:, 0, 0, 0], np.repeat(np.arange(B), kind.branches))
+
+
+def test_classifier_free_guidance_shares_its_input_except_where_the_time_embedding_reads_text():
+    """SD 1.x/2.x's two branches read the same latents, image channels (an inpainting model's) and timestep:
+    the UNet takes one row for both. SDXL's time embedding reads the pooled text, which differs."""
+    from pipelines.family import family_of
+
+    sd, xl = _family(pix2pix=False), family_of("StableDiffusionXLPipeline", {"text_encoder", "text_encoder_2"}, {})
+    assert ClassifierFree().shared(sd) == 2 and ClassifierFree().shared(xl) == 1
+    assert Unguided().shared(sd) == 1 and InstructPix2Pix().shared(_family(pix2pix=True)) == 1
+    text = _cond(1.0, image=True)
+    cond = ClassifierFree().conditioning(text, dataclasses.replace(_cond(2.0), image=text.image))
+    latents = jnp.arange(B, dtype=jnp.float32).reshape(B, 1, 1, 1) + jnp.zeros((B, 2, 2, 4))
+    model_in = ClassifierFree().model_input(latents, cond, 2)
+    np.testing.assert_array_equal(model_in, jnp.concatenate([latents, text.image], axis=-1))
 
 
 def test_combinations():

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 from PIL import Image
 
-from pipelines import cpu_kernels, executables, sampler
+from pipelines import cpu_kernels, executables, guidance, sampler
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from pipelines.sampler import _decode
@@ -87,6 +87,29 @@ def test_sdxl_without_a_negative_prompt_skips_the_negative_rows_cross_attentions
     assert traced == []
     np.testing.assert_allclose(skipped, computed, atol=1e-5)
     assert not np.array_equal(skipped, pipe(dataclasses.replace(guided, guidance_scale=4.0)))  # the images see guidance
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, demo_build) -> Path:
+    return demo_build("tiny", tmp_path_factory.mktemp("demo-sd"))
+
+
+def test_sd_guidance_branches_share_what_precedes_the_text(tiny, monkeypatch):
+    """SD 1.x's classifier-free guidance branches read the same latents: the UNet computes what comes
+    before its first text-reading attention once per image (`Guidance.shared`), fewer FLOPs than on the
+    whole guidance batch for the same images."""
+    request = Request(prompts=["a lighthouse", "a boat"], height=32, width=32, steps=2, guidance_scale=5.0)
+
+    def run():
+        pipe = Pipeline.load(tiny, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+        return pipe(request), sum(pipe.sampler.flops().values())
+
+    shared, shared_flops = run()
+    monkeypatch.setattr(guidance.ClassifierFree, "shared", lambda self, family: 1)
+    whole, whole_flops = run()
+    print(f"FLOPs of the run: {shared_flops:.4g} shared, {whole_flops:.4g} not")
+    np.testing.assert_allclose(shared, whole, atol=1e-5)
+    assert shared_flops < 0.97 * whole_flops
 
 
 def test_flop_count_grows_by_one_unet_call_per_step(tiny_xl):

@@ -198,6 +198,52 @@ def test_blank_rows_skip_their_cross_attentions_and_keep_diffusers_output(name, 
         model.text_context(jnp.zeros((2, 7, ctx.shape[-1])), U.BlankRows(3, (0,)))
 
 
+# UNets whose sample rows a sampler's classifier-free guidance shares (no pooled text in the time embedding):
+# SD 2's linear projections, only_cross_attention on the first level (its attn1 reads the text: only conv_in
+# and a resnet are shared) on an odd size, and a first level without attention (SDXL's layout without its
+# added conditioning: shared down to the second level); SD 1's with a ControlNet in tests/test_controlnet.py
+SHARED_CASES = {name: CASES[name] for name in ("sd2", "options-mid=None")} | {
+    "plain-first-level": {k: v for k, v in CASES["sdxl"].items()
+                          if k not in ("addition_embed_type", "addition_time_embed_dim", "projection_class_embeddings_input_dim")},
+}
+
+
+@pytest.mark.parametrize("name", SHARED_CASES)
+def test_sample_rows_shared_by_the_context_rows_give_diffusers_output_for_each(name):
+    """A sample of B / n rows with a context of B rows (guidance branches reading the same latents) is
+    diffusers' output for the sample repeated n times in place: two images, n = 2, the timestep one scalar
+    as a sampler gives it (the sampler's calls, reading `text_context`, in tests/test_sampler.py)."""
+    d = SHARED_CASES[name]
+    cfg = U.UNetConfig.from_diffusers_config(d)
+    torch_model = _torch_unet(d)
+    model = _sdx_unet(cfg, torch_model)
+    x, _, _, _ = _inputs(cfg, SIZES.get(name, (16, 16)))
+    ctx = np.random.default_rng(5).standard_normal((4, 7, cfg.cross_attention_dim[0])).astype(np.float32)
+    t = np.float32(321.0)
+    out = np.asarray(nnx.jit(lambda m, x, c: m(x, t, c))(model, jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(ctx)))
+    with torch.no_grad():
+        ref = torch_model(torch.from_numpy(np.repeat(x, 2, axis=0)), torch.full((4,), t), torch.from_numpy(ctx)).sample
+    out, ref = out.transpose(0, 3, 1, 2), ref.numpy()
+    assert out.shape == ref.shape
+    err, scale = float(np.abs(out - ref).max()), float(np.abs(ref).max())
+    print(f"{name}: max abs err {err:.2e} (output scale {scale:.2f})")
+    assert scale > 0.5 and err <= 1e-4 * scale
+    assert np.abs(out[0] - out[1]).max() > 1e-2 * scale  # the two rows of an image read different text
+
+
+def test_a_model_reading_pooled_text_refuses_shared_rows():
+    cfg = U.UNetConfig.preset("tiny_xl")
+    model = W.abstract(lambda r: U.UNet2DConditionModel(cfg, rngs=r))
+    x, t, ctx, added = _inputs(cfg, (8, 8))
+    shapes = lambda *args: nnx.eval_shape(lambda m: m(*args), model)  # noqa: E731  errors come at trace time
+    with pytest.raises(SdxError, match="rows of its sample cannot be shared: give one per context row"):
+        shapes(x[:1].transpose(0, 2, 3, 1), t[:1], ctx, jax.tree.map(lambda a: a[:1], added))
+    plain = W.abstract(lambda r: U.UNet2DConditionModel(U.UNetConfig.preset("tiny"), rngs=r))
+    x, t, ctx, _ = _inputs(plain.config, (8, 8), batch=3)
+    with pytest.raises(SdxError, match=r"the sample's 2 rows or a multiple of them, got \(3, 7"):
+        nnx.eval_shape(lambda m: m(x[:2].transpose(0, 2, 3, 1), 1.0, ctx), plain)
+
+
 @pytest.mark.parametrize("qkv_bias", [False, True])
 def test_a_blank_rows_cross_attention_is_its_value_of_zero(qkv_bias):
     """The shortcut with and without projection biases (the UNets have none): a blank row's output is
