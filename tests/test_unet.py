@@ -231,7 +231,9 @@ def test_sample_rows_shared_by_the_context_rows_give_diffusers_output_for_each(n
     assert np.abs(out[0] - out[1]).max() > 1e-2 * scale  # the two rows of an image read different text
 
 
-def test_a_model_reading_pooled_text_refuses_shared_rows():
+def test_shared_rows_are_refused_where_they_cannot_be():
+    """One clear error each: a model whose time embedding reads the pooled text (SDXL), and a context whose
+    rows are not a multiple of the sample's."""
     cfg = U.UNetConfig.preset("tiny_xl")
     model = W.abstract(lambda r: U.UNet2DConditionModel(cfg, rngs=r))
     x, t, ctx, added = _inputs(cfg, (8, 8))
