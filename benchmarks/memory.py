@@ -2,11 +2,14 @@
 backend with abstract weights, so nothing is allocated or run and SDXL fits on any machine.
 
     python benchmarks/memory.py PRESET SIZE BATCH [--dtype bfloat16] [--vae-dtype float32] [--attention NAME]
+                                                  [--vae-tiling]
 
 Printed in GiB, per device of one: the parameters of each model (resident for the whole run), the
 temporaries of one UNet call on the guidance batch (2 × BATCH latents), of the VAE decode as the sampler
 runs it (one image at a time, `pipelines.sampler._in_turns`) and of the whole batch decoded at once, and
-the estimated peak: the parameters plus the largest program's temporaries and outputs. What the estimate
+the estimated peak: the parameters plus the largest program's temporaries and outputs. With `--vae-tiling`
+the sampler's decode is the tiled one (`sdx.vae_tiles`, `python -m sdx.sample --vae-tiling`), and the
+untiled one is printed beside it. What the estimate
 leaves out: the allocator's fragmentation, the inputs a program is handed, and on a GPU the compile's
 autotuning scratch and cuDNN's workspaces.
 
@@ -52,29 +55,35 @@ def parameter_bytes(preset_name: str, component: str, dtype) -> int:
     return sum(leaf.size for leaf in jax.tree.leaves(nnx.state(kind.abstract(config)))) * jnp.dtype(dtype).itemsize
 
 
-def decode_program(preset_name: str, size: int, batch: int, compute: Compute, turns: bool) -> jax.stages.Compiled:
-    """The sampler's decode of `batch` latents, one image at a time (`turns`) or all at once."""
+def decode_program(preset_name: str, size: int, batch: int, compute: Compute, turns: bool,
+                   tiled: bool = False) -> jax.stages.Compiled:
+    """The sampler's decode of `batch` latents, one image at a time (`turns`) or all at once, in tiles or not."""
     configs = presets.get(preset_name).configs
     kind, factor = MODEL_KINDS["vae"], _factor(configs)
     config = kind.config_from_diffusers(configs["vae"])
     graphdef, params = nnx.split(kind.abstract(config, compute))
     latents = jax.ShapeDtypeStruct((batch, size // factor, size // factor, config.latent_channels), jnp.float32)
-    fn = functools.partial(_decode, graphdef, devices=1 if turns else batch)
+    fn = functools.partial(_decode, graphdef, devices=1 if turns else batch, tiled=tiled)
     return jax.jit(fn).lower(params, latents).compile(sampler_options())
 
 
-def report(preset_name: str, size: int, batch: int, dtype: str, vae_dtype: str, backend: str) -> dict[str, float]:
+def report(preset_name: str, size: int, batch: int, dtype: str, vae_dtype: str, backend: str,
+           vae_tiling: bool = False) -> dict[str, float]:
     """{line: GiB} of the job (see the module's docstring)."""
     configs = presets.get(preset_name).configs
     compute = lambda dt: Compute(dtype=jnp.dtype(dt), param_dtype=jnp.dtype(dt), attention=backend)
     models = {c: vae_dtype if c == "vae" else dtype for c in ("text_encoder", "text_encoder_2", "unet", "vae") if c in configs}
     out = {f"parameters, {c} ({dt})": parameter_bytes(preset_name, c, dt) / GiB for c, dt in models.items()}
     resident = sum(out.values())
+    one_at_a_time = f"decode of {batch}, one image at a time"
     sampler = {  # the programs a run holds one at a time
         f"UNet call on {2 * batch} latents": unet_call(preset_name, size, 2 * batch, compute(dtype)).compile(sampler_options()),
-        f"decode of {batch}, one image at a time (the sampler's)": decode_program(preset_name, size, batch, compute(vae_dtype), True),
+        f"{one_at_a_time}{', in tiles' if vae_tiling else ''} (the sampler's)":
+            decode_program(preset_name, size, batch, compute(vae_dtype), True, tiled=vae_tiling),
     }
     whole = {f"decode of {batch} at once": decode_program(preset_name, size, batch, compute(vae_dtype), False)}
+    if vae_tiling:
+        whole[f"{one_at_a_time}, untiled"] = decode_program(preset_name, size, batch, compute(vae_dtype), True)
     stats = {name: p.memory_analysis() for name, p in {**sampler, **whole}.items()}
     out.update({f"temporaries, {name}": m.temp_size_in_bytes / GiB for name, m in stats.items()})
     working = max(stats[name].temp_size_in_bytes + stats[name].output_size_in_bytes for name in sampler)
@@ -90,11 +99,12 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="float32", help="the text encoders' and the UNet's")
     p.add_argument("--vae-dtype", default="float32")
     p.add_argument("--attention", help="default: sdx.attention.default_backend(--dtype) on this backend")
+    p.add_argument("--vae-tiling", action="store_true", help="the sampler decodes in tiles (python -m sdx.sample --vae-tiling)")
     a = p.parse_args(argv)
     backend = a.attention or attention.default_backend(jnp.dtype(a.dtype))
-    print(f"# {a.preset} {a.size}² batch {a.batch}, {a.dtype} (VAE {a.vae_dtype}), {backend} attention, "
-          f"on {jax.devices()[0].device_kind}")
-    for line, gib in report(a.preset, a.size, a.batch, a.dtype, a.vae_dtype, backend).items():
+    print(f"# {a.preset} {a.size}² batch {a.batch}, {a.dtype} (VAE {a.vae_dtype}{', in tiles' if a.vae_tiling else ''}), "
+          f"{backend} attention, on {jax.devices()[0].device_kind}")
+    for line, gib in report(a.preset, a.size, a.batch, a.dtype, a.vae_dtype, backend, a.vae_tiling).items():
         print(f"{gib:8.2f} GiB  {line}")
 
 

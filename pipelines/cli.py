@@ -110,6 +110,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the text encoders' and the UNet's")
     p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the VAE's (bfloat16: diffusers' choice in a bfloat16 pipeline; half the VAE's weights)")
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="decode (and encode) images larger than the VAE's tile, its sample_size (SD 1.5: 512 px, SDXL: "
+                        "1024), in overlapping tiles blended together, as diffusers' vae.enable_tiling(): the VAE's "
+                        "working memory is one tile's at any image size")
     p.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
     p.add_argument("--grid", metavar="FILE.png",
                    help="also write all images as one grid PNG (a row per prompt with --num-images, else about square, "
@@ -383,7 +387,8 @@ def run(args: argparse.Namespace) -> list[Path]:
     compile_seconds = []
     for p in pipes:
         p.sampler.compile_log = lambda plan, s: (compile_seconds.append(s),
-                                                 log(f"compiled in {s:.1f} s ({plan.batch} image(s) per call)"))
+                                                 log(f"compiled in {s:.1f} s ({plan.batch} image(s) per call"
+                                                     f"{', the VAE in tiles' if plan.vae_tiling else ''})"))
     count = sum(len(job.paths) for job in todo)
     bar = None
     if not args.quiet:  # a prompts file's progress is counted in images, one generation's in model calls
@@ -441,7 +446,7 @@ def _request(job: Job, pipe):
     """The job's `Request`, checked against the model, and its `pipelines.masks.Crop` with
     --padding-mask-crop, else None (--image and --mask are read again for a prompts-file line)."""
     from pipelines.masks import Crop, fit_mask, read_mask
-    from pipelines.request import Request, validate
+    from pipelines.request import Request
 
     a = job.args
     picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
@@ -477,8 +482,9 @@ def _request(job: Job, pipe):
         original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
         aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
         clip_skip=a.clip_skip, long_prompt=a.long_prompt, controls=controls, guess_mode=a.guess_mode,
+        vae_tiling=a.vae_tiling,
     )
-    validate(request, pipe.family, pipe.factor, pipe.multiple, len(pipe.controlnets))
+    pipe.validate(request)
     return request, crop
 
 
@@ -530,6 +536,8 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
             "size": f"{pixels.shape[2]}x{pixels.shape[1]}", "model": a.model, "dtype": a.dtype,
             "vae_dtype": a.vae_dtype,
         }
+        if a.vae_tiling:
+            params["vae_tiling"] = True
         for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
                     "lora", "vae", "controlnet", "control_image", "guess_mode", "padding_mask_crop"):
             if getattr(a, key, None):

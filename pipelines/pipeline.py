@@ -20,7 +20,7 @@ import numpy as np
 from pipelines import control, executables
 from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
-from pipelines.sampler import Sampler, controlnet_name
+from pipelines.sampler import Sampler, controlnet_name, working_bytes
 from sdx import mesh as meshlib
 from sdx import model_folder, schedulers, weights
 from sdx.errors import SdxError
@@ -141,12 +141,10 @@ class Pipeline:
 
         progress: a tqdm-like bar (`total`, `update(n)`); its total grows by this request's model calls.
         """
-        validate(request, self.family, self.factor, self.multiple, len(self.controlnets))
+        self.validate(request)
         if self.controlnets and self.controlnets[0].config.global_pool_conditions:
             request = dataclasses.replace(request, guess_mode=True)  # as diffusers, from the first ControlNet
-        if request.batch_size is None:
-            request = dataclasses.replace(request, batch_size=self.fitting_batch(request))
-        work = self._work(request)
+        work = self._work(self.fitted(request))
         if progress is not None:
             progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
             progress.refresh()
@@ -170,7 +168,7 @@ class Pipeline:
     def prefetch(self, request: Request) -> None:
         """Start reading the stored programs `request` will run (`Sampler.prefetch`); nothing when its batch
         size depends on free memory (more images than devices: `fitting_batch` compiles to find it)."""
-        validate(request, self.family, self.factor, self.multiple, len(self.controlnets))
+        self.validate(request)
         if request.batch_size is None:
             if request.num_images > self.sampler.mesh.devices.size and meshlib.free_bytes(self.sampler.mesh) is not None:
                 return
@@ -178,9 +176,37 @@ class Pipeline:
         for plan, inputs, _ in self._work(request):
             self.sampler.prefetch(plan, self.sampler.place(inputs))
 
+    def validate(self, request: Request) -> None:
+        """An SdxError, in the user's terms, for what this pipeline's models cannot take (`pipelines.request.validate`)."""
+        validate(request, self.family, self.factor, self.multiple, len(self.controlnets), self.sampler.models["vae"].config)
+
     def _work(self, request: Request) -> list:
         return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
                        devices=self.sampler.mesh.devices.size)
+
+    def fitted(self, request: Request) -> Request:
+        """`request` with what it leaves to free memory chosen: the batch size when not given
+        (`fitting_batch`); then, when a device's free memory is known (`meshlib.free_bytes`) and one image's
+        VAE decode needs more than `FREE_SHARE` of it by XLA's memory analysis, `vae_tiling` for an image
+        larger than the VAE's tile (ComfyUI retries a decode that ran out of memory in tiles the same way).
+        The programs compiled to find out are kept: the untiled ones run when the decode fits."""
+        if request.batch_size is None:
+            request = dataclasses.replace(request, batch_size=self.fitting_batch(request))
+        free = meshlib.free_bytes(self.sampler.mesh)
+        if free is None or request.vae_tiling or request.output_latents or not self._tiles_would_cut(request):
+            return request
+        plan, inputs, _ = self._work(request)[0]
+        if working_bytes(self.sampler.compiled(plan, self.sampler.place(inputs)).decode) > FREE_SHARE * free:
+            request = dataclasses.replace(request, vae_tiling=True)
+        return request
+
+    def _tiles_would_cut(self, request: Request) -> bool:
+        """Whether a tiled VAE pass would cut the request's images (never with tiles that do not line up)."""
+        try:
+            tile = self.sampler.models["vae"].config.tiles(decoding=False).tile
+        except SdxError:
+            return False
+        return max(request.height, request.width) > tile
 
     def fitting_batch(self, request: Request) -> int:
         """Images per compiled call when the request leaves it open: all of them, halved until the plan's

@@ -63,6 +63,7 @@ class Request:
     clip_skip: int | None = None
     long_prompt: str = "truncate"
     output_latents: bool = False
+    vae_tiling: bool = False
     controls: Sequence[Control] = ()
     guess_mode: bool = False
 
@@ -98,8 +99,9 @@ def _time_ids(family: Family, r: Request, negative: bool) -> list[float]:
     return [*original, *crops, *target]
 
 
-def validate(r: Request, family: Family, factor: int, multiple: int, controlnets: int = 0) -> None:
-    """Fail early, in the user's terms, on what the models cannot take (`controlnets`: the pipeline's)."""
+def validate(r: Request, family: Family, factor: int, multiple: int, controlnets: int = 0, vae=None) -> None:
+    """Fail early, in the user's terms, on what the models cannot take (`controlnets`: the pipeline's; `vae`:
+    its VAE's config, whose tiles `vae_tiling` needs to line up)."""
     if not r.prompts:
         raise SdxError("give at least one prompt")
     if r.steps < 1:
@@ -140,6 +142,9 @@ def validate(r: Request, family: Family, factor: int, multiple: int, controlnets
             )
     if r.image is not None and r.image.shape[0] not in (1, len(r.prompts)):
         raise SdxError(f"give one input image or one per prompt ({len(r.prompts)}), not {r.image.shape[0]}")
+    if r.vae_tiling and vae is not None:
+        for decoding in (True, False):
+            vae.tiles(decoding)  # an SdxError unless the tiles line up
     _validate_controls(r, family, controlnets)
 
 
@@ -196,7 +201,7 @@ def batches(
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
         decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
         inpaint=r.mask is not None, controlnets=len(r.controls), guess_mode=r.guess_mode and bool(r.controls),
-        blank_rows=jax.default_backend() in sampler.BLANK_ROWS_PLATFORMS,
+        blank_rows=jax.default_backend() in sampler.BLANK_ROWS_PLATFORMS, vae_tiling=r.vae_tiling,
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
 

@@ -115,7 +115,8 @@ class Plan:
     decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt;
     inpaint: a mask says what to repaint (`Inputs.mask`); controlnets: how many of the sampler's
     ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`); blank_rows: a zero
-    negative branch skips its cross-attentions (`Guidance.blank_rows`; set where `BLANK_ROWS_PLATFORMS` says).
+    negative branch skips its cross-attentions (`Guidance.blank_rows`; set where `BLANK_ROWS_PLATFORMS` says);
+    vae_tiling: the VAE encodes and decodes images larger than its tile in overlapping tiles (`sdx.vae_tiles`).
     """
 
     family: Family
@@ -135,6 +136,7 @@ class Plan:
     controlnets: int = 0
     guess_mode: bool = False
     blank_rows: bool = False
+    vae_tiling: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -261,17 +263,19 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     in turns (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
     fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
+    encode = functools.partial(vae.encode, tiled=plan.vae_tiling)
     encoders = {name: models[name] for name in fam.encoders}
 
     context, pooled = text.encode(fam, encoders, inputs.ids, plan.clip_skip, dtype)
     mask = masks.latent_mask(inputs.mask, vae.config.downsample_factor) if plan.inpaint else None
     extra = None  # channels concatenated to the UNet's input
     if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
-        extra = _in_turns(vae.encode, inputs.image, devices).mode()
+        extra = _in_turns(encode, inputs.image, devices).mode()
         if fam.scaled_image_latents:
             extra = extra * vae.config.scaling_factor
     elif fam.inpaint:  # the mask and the masked image's latents (masked pixels 0, mid-grey)
-        masked = _sample_latents(vae, inputs.image * (inputs.mask < 0.5), inputs.keys, Stream.MASKED_POSTERIOR, devices)
+        masked = _sample_latents(vae.config, encode, inputs.image * (inputs.mask < 0.5), inputs.keys,
+                                 Stream.MASKED_POSTERIOR, devices)
         extra = jnp.concatenate([mask, masked], axis=-1)
     extra = None if extra is None else extra.astype(dtype)
     cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra)
@@ -284,7 +288,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     blend = plan.inpaint and not fam.inpaint
     image_latents = None
     if plan.start == START_IMAGE or blend:
-        image_latents = _sample_latents(vae, inputs.image, inputs.keys, Stream.POSTERIOR, devices)
+        image_latents = _sample_latents(vae.config, encode, inputs.image, inputs.keys, Stream.POSTERIOR, devices)
     if plan.start == START_NOISE:
         x = inputs.noise * state.init_noise_sigma
     elif plan.start == START_IMAGE:
@@ -304,13 +308,14 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     return Carry(x, state, first_bad), fixed
 
 
-def _sample_latents(vae, images: jax.Array, keys: jax.Array, stream: Stream, devices: int) -> jax.Array:
-    """(B, H, W, 3) images -> (B, h, w, C) scaled latents of a VAE posterior sample, each image's from its
-    own `stream` key (diffusers' `retrieve_latents(..., sample_mode="sample")` times the scaling factor);
-    encoded in turns over `devices`."""
-    posterior = _in_turns(vae.encode, images, devices)
+def _sample_latents(config, encode: Callable, images: jax.Array, keys: jax.Array, stream: Stream,
+                    devices: int) -> jax.Array:
+    """(B, H, W, 3) images -> (B, h, w, C) scaled latents of a VAE posterior sample (`encode`: the VAE's, of
+    `config`), each image's from its own `stream` key (diffusers' `retrieve_latents(..., sample_mode="sample")`
+    times the scaling factor); encoded in turns over `devices`."""
+    posterior = _in_turns(encode, images, devices)
     eps = _per_image(keys, stream, lambda k: jax.random.normal(k, posterior.mean.shape[1:]))
-    return vae.config.to_latents(posterior.mean + posterior.std * eps)
+    return config.to_latents(posterior.mean + posterior.std * eps)
 
 
 def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: int) -> tuple[Carry, jax.Array]:
@@ -351,15 +356,24 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
     return carry, carry.state.index
 
 
+def working_bytes(program: jax.stages.Compiled) -> int:
+    """What a program allocates per device beyond its inputs: its temporaries and outputs, by XLA's own
+    memory analysis."""
+    stats = program.memory_analysis()
+    return stats.temp_size_in_bytes + stats.output_size_in_bytes
+
+
 def _finite(x: jax.Array) -> jax.Array:
     """(B, ...) -> (B,) bool: every value of the image finite."""
     return jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))
 
 
-def _decode(graphdef, params, latents: jax.Array, devices: int) -> tuple[jax.Array, jax.Array]:
-    """Images (B, H, W, 3) float32 and which of them are finite (B,), decoded in turns over `devices`."""
+def _decode(graphdef, params, latents: jax.Array, devices: int, tiled: bool) -> tuple[jax.Array, jax.Array]:
+    """Images (B, H, W, 3) float32 and which of them are finite (B,), decoded in turns over `devices`, in
+    tiles if `tiled` (`Plan.vae_tiling`)."""
     vae = nnx.merge(graphdef, params)
-    images = _in_turns(vae.decode, vae.config.from_latents(latents), devices).astype(jnp.float32)
+    decode = functools.partial(vae.decode, tiled=tiled)
+    images = _in_turns(decode, vae.config.from_latents(latents), devices).astype(jnp.float32)
     return images, _finite(images)
 
 
@@ -400,10 +414,8 @@ class _Programs:
 
     def working_bytes(self) -> int:
         """What running the plan allocates per device beyond the resident parameters: the largest of its
-        programs' temporaries and outputs, by XLA's own memory analysis."""
-        programs = [self.prepare, *self.denoise.values(), *([self.decode] if self.decode else [])]
-        stats = [p.memory_analysis() for p in programs]
-        return max(m.temp_size_in_bytes + m.output_size_in_bytes for m in stats)
+        programs' (`working_bytes`)."""
+        return max(map(working_bytes, [self.prepare, *self.denoise.values(), *([self.decode] if self.decode else [])]))
 
     def flops(self) -> float:
         """Floating-point operations of one run of the plan, by XLA's own cost analysis of each program.
@@ -435,7 +447,7 @@ class Sampler:
         self.compile_log = compile_log
         self._programs: dict[Plan, _Programs] = {}
         self.compilations = 0
-        self._decode32 = None  # (jitted decode, float32 VAE parameters), made when first needed
+        self._decode32 = {}  # Plan.vae_tiling -> (jitted decode, float32 VAE parameters), made when first needed
         self._unmap_encoders = mesh.devices.flat[0].platform == "cpu"
 
     def update(self, name: str, module: nnx.Module) -> None:
@@ -497,7 +509,8 @@ class Sampler:
         unet_params = self._denoise_params(plan)
         unet_graphdefs = {name: self.graphdefs[name] for name in unet_params}
         denoise_fns = {calls: functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls) for calls in set(sizes)}
-        decode_fn = functools.partial(_decode, self.graphdefs["vae"], devices=devices) if plan.decode else None
+        decode_fn = (functools.partial(_decode, self.graphdefs["vae"], devices=devices, tiled=plan.vae_tiling)
+                     if plan.decode else None)
 
         # denoise and decode also take prepare's outputs: their keys name prepare's, so a warm start reads
         # all three files at once. A prepare without a key (a researcher's own text encoder or VAE class)
@@ -565,16 +578,19 @@ class Sampler:
         bad_step = meshlib.to_host(carry.first_bad)
         bad_decode = np.zeros(plan.batch, bool) if finite is None else (bad_step == 0) & ~meshlib.to_host(finite)
         if bad_decode.any() and self.models["vae"].compute.dtype != jnp.float32:
-            out, finite = self._in_float32(out, carry.latents, bad_decode)
+            out, finite = self._in_float32(out, carry.latents, bad_decode, plan.vae_tiling)
             bad_decode = bad_decode & ~meshlib.to_host(finite)
         return Sampled(out, bad_step, bad_decode)
 
-    def _in_float32(self, images: jax.Array, latents: jax.Array, redo: np.ndarray) -> tuple[jax.Array, jax.Array]:
-        """`images` with the `redo` ones decoded again by the VAE in float32, and which are now finite."""
-        if self._decode32 is None:
+    def _in_float32(self, images: jax.Array, latents: jax.Array, redo: np.ndarray,
+                    tiled: bool) -> tuple[jax.Array, jax.Array]:
+        """`images` with the `redo` ones decoded again by the VAE in float32 (in tiles if `tiled`), and which
+        are now finite."""
+        if tiled not in self._decode32:
             graphdef, params = nnx.split(_float32_vae(self.models["vae"]))
-            self._decode32 = (jax.jit(functools.partial(_decode, graphdef, devices=self.mesh.devices.size)), params)
-        decode, params = self._decode32
+            self._decode32[tiled] = (
+                jax.jit(functools.partial(_decode, graphdef, devices=self.mesh.devices.size, tiled=tiled)), params)
+        decode, params = self._decode32[tiled]
         again, finite = decode(params, latents)
         mask = jnp.asarray(redo)[:, None, None, None]
         return jnp.where(mask, again, images), finite

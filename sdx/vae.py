@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from sdx import diffusers_config, presets
+from sdx import diffusers_config, presets, vae_tiles
 from sdx.config import JsonConfig, Kind
 from sdx.errors import SdxError
 from sdx.layers import F32, Attention, Compute, Downsample2D, GroupNorm, ResnetBlock2D, Upsample2D, conv
@@ -39,7 +39,7 @@ class VAEConfig(JsonConfig):
     The field names are diffusers' config.json keys. `scaling_factor`/`shift_factor` do not enter the
     module's math (see `to_latents`/`from_latents`). `force_upcast`: the weights overflow in float16
     (the SDXL VAE), so a pipeline running in float16 must run this VAE in float32. `sample_size` is the
-    image size the VAE was trained at, informational only.
+    image size the VAE was trained at: a tiled pass's tile size (`tiles`).
     """
 
     label: ClassVar[str] = "VAE config"
@@ -76,6 +76,14 @@ class VAEConfig(JsonConfig):
             raise SdxError(f"VAE config: layers_per_block={self.layers_per_block} must be at least 1")
         if not self.scaling_factor:
             raise SdxError("VAE config: scaling_factor must be a non-zero number")
+
+    def tiles(self, decoding: bool) -> vae_tiles.Tiles:
+        """Where a tiled decode's (or encode's) tiles are: diffusers' sizes, tiles of `sample_size` image pixels
+        (its first entry when it is a pair; tile_sample_min_size) and that // downsample_factor latent pixels
+        (tile_latent_min_size). An SdxError when they do not line up (`vae_tiles.Tiles.for_pass`)."""
+        size = self.sample_size[0] if isinstance(self.sample_size, tuple) else self.sample_size
+        latent = size // self.downsample_factor
+        return vae_tiles.Tiles.for_pass(latent, size) if decoding else vae_tiles.Tiles.for_pass(size, latent)
 
     @property
     def downsample_factor(self) -> int:
@@ -286,19 +294,32 @@ class AutoencoderKL(nnx.Module):
         self.quant_conv = conv(compute, 2 * lc, 2 * lc, 1, rngs=rngs) if config.use_quant_conv else None
         self.post_quant_conv = conv(compute, lc, lc, 1, rngs=rngs) if config.use_post_quant_conv else None
 
-    def encode(self, x: jax.Array) -> DiagonalGaussian:
+    def encode(self, x: jax.Array, tiled: bool = False) -> DiagonalGaussian:
+        """tiled: an image larger than a tile (`config.tiles`) is encoded in overlapping tiles, blended
+        (`sdx.vae_tiles`, diffusers' `enable_tiling`)."""
         _check_channels("encode", x, self.config.in_channels, "image")
-        h = self.encoder(x.astype(self.compute.dtype))
-        if self.quant_conv is not None:
-            h = self.quant_conv(h)
-        return DiagonalGaussian.from_moments(h)
+        x = x.astype(self.compute.dtype)
+        tiles = self.config.tiles(decoding=False) if tiled else None
+        if tiles is not None and max(x.shape[1:3]) > tiles.tile:
+            return DiagonalGaussian.from_moments(vae_tiles.apply(self._moments, x, tiles))
+        return DiagonalGaussian.from_moments(self._moments(x))
 
-    def decode(self, z: jax.Array) -> jax.Array:
+    def _moments(self, x: jax.Array) -> jax.Array:
+        h = self.encoder(x)
+        return h if self.quant_conv is None else self.quant_conv(h)  # (B, h, w, 2 * latent_channels)
+
+    def decode(self, z: jax.Array, tiled: bool = False) -> jax.Array:
+        """tiled: latents larger than a tile (`config.tiles`) are decoded in overlapping tiles, blended
+        (`sdx.vae_tiles`, diffusers' `enable_tiling`): one tile's working memory at a time."""
         _check_channels("decode", z, self.config.latent_channels, "latent")
         z = z.astype(self.compute.dtype)
-        if self.post_quant_conv is not None:
-            z = self.post_quant_conv(z)
-        return self.decoder(z)
+        tiles = self.config.tiles(decoding=True) if tiled else None
+        if tiles is not None and max(z.shape[1:3]) > tiles.tile:
+            return vae_tiles.apply(self._decoded, z, tiles)
+        return self._decoded(z)
+
+    def _decoded(self, z: jax.Array) -> jax.Array:
+        return self.decoder(z if self.post_quant_conv is None else self.post_quant_conv(z))
 
     def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
         """Reconstruction: decode the posterior's mode, or a sample when `key` is given (diffusers' forward)."""

@@ -23,3 +23,13 @@ def test_parameters_are_the_built_models_and_the_decode_runs_in_turns():
     params = sum(gib for line, gib in out.items() if line.startswith("parameters"))
     peak = out["estimated peak: parameters + the largest program's temporaries and outputs"]
     assert peak == pytest.approx(params + max(temps["UNet call on 8 latents"], one_by_one), rel=0.05)
+
+
+def test_a_tiled_decode_holds_one_tile():
+    """tiny's VAE tiles are 128 px (its sample_size): a 256 px image decodes in nine tiles of up to 128 px, each
+    with a quarter of the whole image's temporaries or less; the untiled one is printed beside it."""
+    out = memory.report("tiny", 256, 1, "float32", "float32", "xla", vae_tiling=True)
+    temps = {line.split(", ", 1)[1]: gib for line, gib in out.items() if line.startswith("temporaries")}
+    tiled, untiled = temps["decode of 1, one image at a time, in tiles (the sampler's)"], temps["decode of 1, one image at a time, untiled"]
+    print(f"decode temporaries: {tiled:.4f} GiB in tiles, {untiled:.4f} untiled")
+    assert tiled < 0.4 * untiled

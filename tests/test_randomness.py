@@ -5,7 +5,7 @@ The cases compare the final latents (`output_latents`): every draw is made befor
 is deterministic per image (its own tests), so the VAE's decode programs are not compiled here.
 
 The cases run on the embedded `tiny` demo model (random weights); InstructPix2Pix on the same model with
-an 8-channel UNet.
+its UNet widened to 8 input channels.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -48,16 +49,21 @@ CASES = {
 
 
 def pipelines(folder: Path, mesh) -> dict[str, Pipeline]:
-    """case -> its pipeline on `mesh` (DDIM with eta = 1; InstructPix2Pix with a seeded 8-channel UNet)."""
+    """case -> its pipeline on `mesh` (DDIM with eta = 1; InstructPix2Pix with an 8-channel UNet made from the
+    demo's: no random initialisation to compile)."""
     out = {}
     for case, (scheduler, _) in CASES.items():
         pipe = Pipeline.load(folder, scheduler=scheduler, mesh=mesh)
         if case == "ddim_eta_1":
             pipe = dataclasses.replace(pipe, scheduler=dataclasses.replace(pipe.scheduler, eta=1.0))
-        if case == "pix2pix":
+        if case == "pix2pix":  # the demo UNet, its conv_in widened to 8 input channels (the image's: half its kernel)
             unet = pipe.sampler.models["unet"]
-            wide = UNet2DConditionModel(dataclasses.replace(unet.config, in_channels=8), unet.compute, rngs=nnx.Rngs(0))
-            nnx.update(wide, jax.device_put(nnx.state(wide), meshlib.replicated(mesh)))
+            wide = nnx.eval_shape(lambda: UNet2DConditionModel(dataclasses.replace(unet.config, in_channels=8),
+                                                               unet.compute, rngs=nnx.Rngs(0)))
+            state = nnx.to_pure_dict(nnx.state(unet))
+            kernel = state["conv_in"]["kernel"]  # (3, 3, 4, C)
+            state["conv_in"]["kernel"] = jnp.concatenate([kernel, 0.5 * kernel], axis=2)  # (3, 3, 8, C)
+            nnx.update(wide, jax.device_put(state, meshlib.replicated(mesh)))
             pipe = Pipeline.from_models({**pipe.sampler.models, "unet": wide}, family=dataclasses.replace(pipe.family, pix2pix=True),
                                         scheduler=pipe.scheduler, tokenizers=pipe.tokenizers, mesh=mesh, name="tiny-pix2pix")
         out[case] = pipe

@@ -29,6 +29,7 @@ from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from pipelines.sampler import _decode
 from sdx import mesh as meshlib
+from sdx.errors import SdxError
 from sdx.layers import Attention, Compute
 from sdx.sample import main
 from sdx.unet import UNet2DConditionModel
@@ -226,7 +227,6 @@ def test_the_first_request_s_programs_are_read_while_the_weights_load(tiny_xl, t
     from there (so the keys match the loaded arrays'): nothing is traced or compiled, and the image is the
     same. A first request the model refuses is refused before any weight is read."""
     from sdx import weights
-    from sdx.errors import SdxError
 
     monkeypatch.setattr(executables, "folder", lambda: tmp_path)
     mesh = meshlib.make_mesh(devices=jax.devices()[:1])
@@ -293,7 +293,7 @@ def test_on_a_cpu_ynnpack_computes_the_matrix_products_and_reductions_alone(tiny
         assert ("parameter", "parameter", "dot") in fusions and ("parameter", "parameter", "reduce") in fusions
         assert all(("dot" in f or "reduce" in f) and "convolution" not in f for f in fusions), set(fusions)
     latents = jax.ShapeDtypeStruct(programs.prepare.out_info[0].latents.shape, jnp.float32)
-    default = jax.jit(functools.partial(_decode, pipe.sampler.graphdefs["vae"], devices=1)).lower(pipe.sampler.params["vae"], latents)
+    default = jax.jit(functools.partial(_decode, pipe.sampler.graphdefs["vae"], devices=1, tiled=False)).lower(pipe.sampler.params["vae"], latents)
     assert {"convolution", "reduce", "exponential"} <= {op for f in _ynn_fusions(default.compile().as_text()) for op in f}
 
 
@@ -322,7 +322,7 @@ def test_the_vae_decodes_one_image_per_device_at_a_time(tiny_xl):
     latents = jax.random.normal(jax.random.key(0), (4, 32, 32, 4))
 
     def decode(z, devices):
-        program = jax.jit(functools.partial(_decode, graphdef, devices=devices)).lower(params, z).compile()
+        program = jax.jit(functools.partial(_decode, graphdef, devices=devices, tiled=False)).lower(params, z).compile()
         return program.memory_analysis().temp_size_in_bytes, program(params, z)[0]
 
     one, first = decode(latents[:1], 1)
@@ -533,6 +533,20 @@ def test_vae_dtype_bfloat16_decodes_in_bfloat16_close_to_float32(tiny_xl, tmp_pa
     assert 0 < diff.max() and diff.mean() < 2.0
 
 
+def test_vae_tiles_that_do_not_line_up_are_refused_before_compiling(tiny_xl, monkeypatch):
+    """--vae-tiling with a VAE whose sample_size (its tile) is not a multiple of 4 x its downsample factor:
+    one SdxError from the request's checks, before any program is compiled."""
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    vae = pipe.sampler.models["vae"]
+    monkeypatch.setattr(vae, "config", dataclasses.replace(vae.config, sample_size=36))
+    monkeypatch.setattr(pipe.sampler, "compiled", lambda *a: pytest.fail("compiled"))
+    request = Request(prompts=["a lighthouse"], height=64, width=64, steps=2, vae_tiling=True)
+    with pytest.raises(SdxError, match="do not line up"):
+        pipe(request)
+    with pytest.raises(SdxError, match="do not line up"):
+        pipe.prefetch(request)
+
+
 def test_without_a_batch_size_the_batch_is_what_fits_in_free_memory(tiny_xl, monkeypatch):
     """Four images, with free memory between what batches of 2 and 4 need by XLA's memory analysis: the
     pipeline runs batches of 2, the same programs an explicit --batch-size 2 runs."""
@@ -553,3 +567,25 @@ def test_without_a_batch_size_the_batch_is_what_fits_in_free_memory(tiny_xl, mon
     np.testing.assert_array_equal(auto, pipe(dataclasses.replace(request, batch_size=2)))
     monkeypatch.setattr(pipelines.pipeline.meshlib, "free_bytes", lambda mesh: None)  # unknown: all at once
     assert pipe.fitting_batch(request) == 4
+
+
+def test_a_decode_that_does_not_fit_in_free_memory_runs_in_tiles(tiny_xl, monkeypatch):
+    """One image larger than the VAE's tile (tiny_xl's: 128 px), with free memory between what its tiled and
+    its whole decode need by XLA's memory analysis: the pipeline decodes in tiles, the image an explicit
+    vae_tiling=True request makes; with twice the whole decode's free, it decodes the whole image."""
+    import pipelines.pipeline
+
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    request = Request(prompts=["a lighthouse"], height=160, width=160, steps=1, batch_size=1)
+    need = {}
+    for tiled in (False, True):
+        plan, inputs, _ = pipe._work(dataclasses.replace(request, vae_tiling=tiled))[0]
+        need[tiled] = sampler.working_bytes(pipe.sampler.compiled(plan, pipe.sampler.place(inputs)).decode)
+    print(f"one image's decode: {need[False] / 2**20:.1f} MiB whole, {need[True] / 2**20:.1f} MiB in tiles")
+    assert need[True] < 0.8 * need[False]
+    free = lambda need: lambda mesh: int(need / pipelines.pipeline.FREE_SHARE)
+    monkeypatch.setattr(pipelines.pipeline.meshlib, "free_bytes", free((need[True] + need[False]) / 2))
+    assert pipe.fitted(request).vae_tiling
+    np.testing.assert_array_equal(pipe(request), pipe(dataclasses.replace(request, vae_tiling=True)))
+    monkeypatch.setattr(pipelines.pipeline.meshlib, "free_bytes", free(2 * need[False]))
+    assert not pipe.fitted(request).vae_tiling

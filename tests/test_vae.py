@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sdx import diffusers_config as DC, weights
+from sdx import diffusers_config as DC, vae_tiles, weights
 from sdx.errors import SdxError
 from sdx.layers import Compute
 from sdx.vae import AutoencoderKL, DiagonalGaussian, VAEConfig
@@ -126,6 +126,56 @@ def test_parity_with_diffusers(case, conv):
     shift, scale = kw.get("shift_factor") or 0.0, kw.get("scaling_factor", 0.18215)
     np.testing.assert_allclose(latents, (np.asarray(dist.mode()) - shift) * scale, rtol=1e-6)
     np.testing.assert_allclose(cfg.from_latents(latents), dist.mode(), rtol=1e-5, atol=1e-6)
+
+
+# images cut into tiles of several shapes (whole, and cut by the right, bottom, or both edges: up to three
+# sizes along a side), the last ones a few pixels wide; blends of 2-4 pixels
+TILED_CASES = {
+    "quant_convs, tiles of 24 px": ("quant_convs", 24, (2, 40, 30)),
+    "three_levels_shift, tiles of 16 px": ("three_levels_shift", 16, (1, 36, 28)),
+}
+
+
+@pytest.mark.parametrize("name", TILED_CASES)
+def test_tiled_passes_match_diffusers_enable_tiling(name, monkeypatch):
+    """encode/decode(tiled=True) against diffusers' AutoencoderKL after `enable_tiling()`: the same tiles,
+    the same blending, to float32 rounding; a pass no larger than one tile is not cut."""
+    case, tile, (b, h, w) = TILED_CASES[name]
+    tmodel = _torch_vae({**CASES[case]["kw"], "sample_size": tile})
+    model = _sdx_vae(tmodel)
+    f = model.config.downsample_factor
+    assert (model.config.tiles(decoding=True).tile, model.config.tiles(decoding=False).tile) == (tile // f, tile)
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-1, 1, (b, 3, h, w)).astype(np.float32)
+    z = (0.5 + rng.standard_normal((b, model.config.latent_channels, h // f, w // f))).astype(np.float32)
+    with torch.no_grad():
+        plain_moments, plain_image = tmodel.encode(torch.from_numpy(x)).latent_dist.mean, tmodel.decode(torch.from_numpy(z)).sample
+        tmodel.enable_tiling()
+        moments, image = tmodel.encode(torch.from_numpy(x)).latent_dist, tmodel.decode(torch.from_numpy(z)).sample
+
+    graphdef, state = nnx.split(model)
+    x, z = x.transpose(0, 2, 3, 1), z.transpose(0, 2, 3, 1)  # NHWC
+    passes = lambda state, x, z: (lambda vae: (vae.encode(x, tiled=True), vae.decode(z, tiled=True)))(nnx.merge(graphdef, state))
+    dist, decoded = jax.jit(passes)(state, x, z)
+    _assert_close(f"{name} tiled mean", dist.mean, _nhwc(moments.mean))
+    _assert_close(f"{name} tiled logvar", dist.logvar, _nhwc(moments.logvar))
+    _assert_close(f"{name} tiled decode", decoded, _nhwc(image))
+    # the tiles are really there: each GroupNorm sees one tile, so the tiled passes differ from the plain ones
+    assert np.abs(_nhwc(image) - _nhwc(plain_image)).max() > 1e-2
+    assert np.abs(_nhwc(moments.mean) - _nhwc(plain_moments)).max() > 1e-2
+    monkeypatch.setattr(vae_tiles, "apply", lambda *a: pytest.fail("a pass within one tile was cut"))
+    jax.eval_shape(passes, state, x[:, :tile, :tile], z[:, :tile // f, :tile // f])
+
+
+@pytest.mark.parametrize("tile", [2, 18])
+def test_tiles_that_do_not_line_up_are_an_error(tile):
+    """Tiles of 18 px on a factor-2 VAE: diffusers decodes tiles of 9 latents every 6 and keeps 14 pixels of
+    each, 2 more than 6 latents make: its image comes out larger than untiled, each tile misplaced. Tiles
+    of 2 px: one latent, which would not advance."""
+    model = _sdx_vae(_torch_vae({**CASES["quant_convs"]["kw"], "sample_size": tile}))
+    for tiled_pass, x in ((model.decode, jnp.zeros((1, 12, 12, 4))), (model.encode, jnp.zeros((1, 24, 24, 3)))):
+        with pytest.raises(SdxError, match="do not line up.*multiple of 4 x its downsample factor"):
+            tiled_pass(x, tiled=True)
 
 
 def test_jit_and_bfloat16():
