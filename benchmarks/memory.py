@@ -34,7 +34,7 @@ from flax import nnx  # noqa: E402
 
 from benchmarks.flops import _factor, unet_call  # noqa: E402
 from pipelines import cpu_kernels  # noqa: E402
-from pipelines.sampler import _decode  # noqa: E402
+from pipelines.sampler import _decode, working_bytes  # noqa: E402
 from sdx import attention, presets  # noqa: E402
 from sdx import mesh as meshlib  # noqa: E402
 from sdx.layers import Compute  # noqa: E402
@@ -86,7 +86,7 @@ def report(preset_name: str, size: int, batch: int, dtype: str, vae_dtype: str, 
         whole[f"{one_at_a_time}, untiled"] = decode_program(preset_name, size, batch, compute(vae_dtype), True)
     stats = {name: p.memory_analysis() for name, p in {**sampler, **whole}.items()}
     out.update({f"temporaries, {name}": m.temp_size_in_bytes / GiB for name, m in stats.items()})
-    working = max(stats[name].temp_size_in_bytes + stats[name].output_size_in_bytes for name in sampler)
+    working = max(map(working_bytes, sampler.values()))
     out["estimated peak: parameters + the largest program's temporaries and outputs"] = resident + working / GiB
     return out
 

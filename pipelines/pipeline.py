@@ -203,10 +203,9 @@ class Pipeline:
     def _tiles_would_cut(self, request: Request) -> bool:
         """Whether a tiled VAE pass would cut the request's images (never with tiles that do not line up)."""
         try:
-            tile = self.sampler.models["vae"].config.tiles(decoding=False).tile
+            return self.sampler.models["vae"].config.tiles(decoding=False).cuts(request.height, request.width)
         except SdxError:
             return False
-        return max(request.height, request.width) > tile
 
     def fitting_batch(self, request: Request) -> int:
         """Images per compiled call when the request leaves it open: all of them, halved until the plan's

@@ -299,10 +299,8 @@ class AutoencoderKL(nnx.Module):
         (`sdx.vae_tiles`, diffusers' `enable_tiling`)."""
         _check_channels("encode", x, self.config.in_channels, "image")
         x = x.astype(self.compute.dtype)
-        tiles = self.config.tiles(decoding=False) if tiled else None
-        if tiles is not None and max(x.shape[1:3]) > tiles.tile:
-            return DiagonalGaussian.from_moments(vae_tiles.apply(self._moments, x, tiles))
-        return DiagonalGaussian.from_moments(self._moments(x))
+        moments = vae_tiles.apply(self._moments, x, self.config.tiles(decoding=False)) if tiled else self._moments(x)
+        return DiagonalGaussian.from_moments(moments)
 
     def _moments(self, x: jax.Array) -> jax.Array:
         h = self.encoder(x)
@@ -313,10 +311,7 @@ class AutoencoderKL(nnx.Module):
         (`sdx.vae_tiles`, diffusers' `enable_tiling`): one tile's working memory at a time."""
         _check_channels("decode", z, self.config.latent_channels, "latent")
         z = z.astype(self.compute.dtype)
-        tiles = self.config.tiles(decoding=True) if tiled else None
-        if tiles is not None and max(z.shape[1:3]) > tiles.tile:
-            return vae_tiles.apply(self._decoded, z, tiles)
-        return self._decoded(z)
+        return vae_tiles.apply(self._decoded, z, self.config.tiles(decoding=True)) if tiled else self._decoded(z)
 
     def _decoded(self, z: jax.Array) -> jax.Array:
         return self.decoder(z if self.post_quant_conv is None else self.post_quant_conv(z))

@@ -47,17 +47,24 @@ class Tiles:
                            "multiple of 4 x its downsample factor")
         return cls(tile_in, stride, blend, keep)
 
+    def cuts(self, height: int, width: int) -> bool:
+        """Whether an input of this size is larger than one tile (else a tiled pass is the untiled one)."""
+        return max(height, width) > self.tile
+
     def corners(self, height: int, width: int) -> list[list[tuple[int, int]]]:
         """Each row's tiles' top-left corners, in input pixels."""
         return [[(i, j) for j in range(0, width, self.stride)] for i in range(0, height, self.stride)]
 
 
 def apply(fn: Callable[[jax.Array], jax.Array], x: jax.Array, tiles: Tiles) -> jax.Array:
-    """fn over `x` (B, H, W, C) tile by tile, blended (module docstring). Tiles of one shape run under one
+    """fn over `x` (B, H, W, C) tile by tile, blended (module docstring); fn(x) when x fits in one tile. Tiles
+    of one shape run under one
     `lax.map` (whole tiles, and those the right or bottom edge cuts: at most three sizes along a side, as a
     stride is 3/4 of a tile), so one tile's working memory is alive at a time and the program holds fn once
     per shape."""
     height, width = x.shape[1:3]
+    if not tiles.cuts(height, width):
+        return fn(x)
     corners = tiles.corners(height, width)
     by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for i, j in (c for row in corners for c in row):
