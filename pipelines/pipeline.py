@@ -189,7 +189,8 @@ class Pipeline:
         (`fitting_batch`); then, when a device's free memory is known (`meshlib.free_bytes`) and one image's
         VAE decode needs more than `FREE_SHARE` of it by XLA's memory analysis, `vae_tiling` for an image
         larger than the VAE's tile (ComfyUI retries a decode that ran out of memory in tiles the same way).
-        The programs compiled to find out are kept: the untiled ones run when the decode fits."""
+        The programs compiled to find out are kept: the untiled ones run when the decode fits, and the tiled
+        plan runs their denoise programs (and their prepare, when it encodes no image) when it does not."""
         if request.batch_size is None:
             request = dataclasses.replace(request, batch_size=self.fitting_batch(request))
         free = meshlib.free_bytes(self.sampler.mesh)

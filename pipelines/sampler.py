@@ -138,6 +138,17 @@ class Plan:
     blank_rows: bool = False
     vae_tiling: bool = False
 
+    def encodes(self) -> bool:
+        """Whether the prepare program runs the VAE's encoder (img2img, inpainting, InstructPix2Pix)."""
+        return self.start == START_IMAGE or self.inpaint or self.family.inpaint or self.family.pix2pix
+
+    def seen_by(self, program: str) -> Plan:
+        """The plan as `program` ("prepare" or "denoise") reads it: `vae_tiling` only where that program runs
+        the VAE (prepare when it encodes), so a plan that differs from another only there shares its programs
+        and their files (`Pipeline.fitted`'s fallback to tiles, a `--vae-tiling` run after an untiled one)."""
+        reads_tiling = program == "prepare" and self.encodes()
+        return self if reads_tiling else dataclasses.replace(self, vae_tiling=False)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +374,11 @@ def working_bytes(program: jax.stages.Compiled) -> int:
     return stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
+def _same_info(a, b) -> bool:
+    """Whether two programs' `out_info` trees have the same structure, shapes, dtypes and shardings."""
+    return jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.leaves(a) == jax.tree.leaves(b)
+
+
 def _finite(x: jax.Array) -> jax.Array:
     """(B, ...) -> (B,) bool: every value of the image finite."""
     return jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))
@@ -503,12 +519,13 @@ class Sampler:
         params = self._prepare_params(plan)
         graphdefs = {name: self.graphdefs[name] for name in params}
         devices = self.mesh.devices.size
-        prepare_fn = functools.partial(_prepare, graphdefs, plan=plan, dtype=self.models["unet"].compute.dtype, devices=devices)
+        prepare_fn = functools.partial(_prepare, graphdefs, plan=plan.seen_by("prepare"), dtype=self.models["unet"].compute.dtype, devices=devices)
         n = inputs.state.num_calls
         sizes = (self.chunk,) * (n // self.chunk) + ((n % self.chunk,) if n % self.chunk else ())
         unet_params = self._denoise_params(plan)
         unet_graphdefs = {name: self.graphdefs[name] for name in unet_params}
-        denoise_fns = {calls: functools.partial(_denoise, unet_graphdefs, plan=plan, calls=calls) for calls in set(sizes)}
+        denoise_fns = {calls: functools.partial(_denoise, unet_graphdefs, plan=plan.seen_by("denoise"), calls=calls)
+                       for calls in set(sizes)}
         decode_fn = (functools.partial(_decode, self.graphdefs["vae"], devices=devices, tiled=plan.vae_tiling)
                      if plan.decode else None)
 
@@ -537,13 +554,22 @@ class Sampler:
         t0 = time.perf_counter()
         r = self._recipe(plan, inputs)
         executables.prefetch(r.paths())
-        prepare = executables.compile(r.prepare_fn, self._prepare_params(plan), inputs, path=r.prepare_path,
-                                      compiler_options=r.options)
+        # the programs of a plan that differs only in `vae_tiling` (`Plan.seen_by`), compiled already
+        twin = self._programs.get(dataclasses.replace(plan, vae_tiling=not plan.vae_tiling))
+        if twin is not None and not plan.encodes():
+            prepare = twin.prepare
+        else:
+            prepare = executables.compile(r.prepare_fn, self._prepare_params(plan), inputs, path=r.prepare_path,
+                                          compiler_options=r.options)
         carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
         keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
-        denoise = {calls: executables.compile(fn, self._denoise_params(plan), carry, fixed, path=r.denoise_paths[calls],
-                                              compiler_options=r.options, out_shardings=keep, donate_argnums=1)
-                   for calls, fn in r.denoise_fns.items()}
+        if twin is not None and _same_info(twin.prepare.out_info, prepare.out_info):
+            denoise = twin.denoise
+        else:
+            denoise = {calls: executables.compile(fn, self._denoise_params(plan), carry, fixed,
+                                                  path=r.denoise_paths[calls], compiler_options=r.options,
+                                                  out_shardings=keep, donate_argnums=1)
+                       for calls, fn in r.denoise_fns.items()}
         decode = executables.compile(r.decode_fn, self.params["vae"], carry.latents, path=r.decode_path,
                                      compiler_options=r.options) if plan.decode else None
         self._programs[plan] = _Programs(prepare, denoise, r.sizes, decode)

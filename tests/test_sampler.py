@@ -547,6 +547,24 @@ def test_vae_tiles_that_do_not_line_up_are_refused_before_compiling(tiny_xl, mon
         pipe.prefetch(request)
 
 
+def test_plans_that_differ_only_in_vae_tiling_share_the_files_of_what_does_not_tile(tiny_xl, tmp_path, monkeypatch):
+    """The stored programs' keys (`Sampler._recipe`, nothing compiled) of a plan and its tiled twin: text to
+    image shares prepare's and denoise's files and only the decode's differ; img2img, which encodes in
+    prepare, has its own prepare, and so its own denoise (keyed after prepare's)."""
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
+    text_to_image = Request(prompts=["a lighthouse"], height=64, width=64, steps=2)
+    img2img = dataclasses.replace(text_to_image, image=np.zeros((1, 64, 64, 3), np.float32), strength=0.5)
+    for request, prepare_tiles in ((text_to_image, False), (img2img, True)):
+        recipes = {}
+        for tiled in (False, True):
+            plan, inputs, _ = pipe._work(dataclasses.replace(request, vae_tiling=tiled))[0]
+            recipes[tiled] = pipe.sampler._recipe(plan, pipe.sampler.place(inputs))
+        assert recipes[False].decode_path != recipes[True].decode_path
+        assert (recipes[False].prepare_path != recipes[True].prepare_path) == prepare_tiles
+        assert (recipes[False].denoise_paths != recipes[True].denoise_paths) == prepare_tiles
+
+
 def test_without_a_batch_size_the_batch_is_what_fits_in_free_memory(tiny_xl, monkeypatch):
     """Four images, with free memory between what batches of 2 and 4 need by XLA's memory analysis: the
     pipeline runs batches of 2, the same programs an explicit --batch-size 2 runs."""
@@ -572,15 +590,18 @@ def test_without_a_batch_size_the_batch_is_what_fits_in_free_memory(tiny_xl, mon
 def test_a_decode_that_does_not_fit_in_free_memory_runs_in_tiles(tiny_xl, monkeypatch):
     """One image larger than the VAE's tile (tiny_xl's: 128 px), with free memory between what its tiled and
     its whole decode need by XLA's memory analysis: the pipeline decodes in tiles, the image an explicit
-    vae_tiling=True request makes; with twice the whole decode's free, it decodes the whole image."""
+    vae_tiling=True request makes; with twice the whole decode's free, it decodes the whole image. The tiled
+    plan compiles its decode alone: it runs the untiled one's prepare and denoise programs."""
     import pipelines.pipeline
 
     pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     request = Request(prompts=["a lighthouse"], height=160, width=160, steps=1, batch_size=1)
-    need = {}
+    programs = {}
     for tiled in (False, True):
         plan, inputs, _ = pipe._work(dataclasses.replace(request, vae_tiling=tiled))[0]
-        need[tiled] = sampler.working_bytes(pipe.sampler.compiled(plan, pipe.sampler.place(inputs)).decode)
+        programs[tiled] = pipe.sampler.compiled(plan, pipe.sampler.place(inputs))
+    assert programs[True].prepare is programs[False].prepare and programs[True].denoise is programs[False].denoise
+    need = {tiled: sampler.working_bytes(p.decode) for tiled, p in programs.items()}
     print(f"one image's decode: {need[False] / 2**20:.1f} MiB whole, {need[True] / 2**20:.1f} MiB in tiles")
     assert need[True] < 0.8 * need[False]
     free = lambda need: lambda mesh: int(need / pipelines.pipeline.FREE_SHARE)
