@@ -211,12 +211,15 @@ class Pipeline:
     def fitting_batch(self, request: Request) -> int:
         """Images per compiled call when the request leaves it open: all of them, halved until the plan's
         programs need at most `FREE_SHARE` of a device's free memory by XLA's memory analysis (each size
-        tried is compiled, and kept: the one that fits is the one that runs)."""
+        tried is compiled, and kept: the one that fits is the one that runs). An untiled decode that tiles
+        would cut does not count: it decodes one image at a time whatever the batch, and `fitted` turns
+        tiling on when it does not fit."""
         free = meshlib.free_bytes(self.sampler.mesh)
         batch, devices = request.num_images, self.sampler.mesh.devices.size
+        decode = request.vae_tiling or not self._tiles_would_cut(request)
         while free is not None and batch > devices:
             plan, inputs, _ = self._work(dataclasses.replace(request, batch_size=batch))[0]
-            if self.sampler.compiled(plan, self.sampler.place(inputs)).working_bytes() <= FREE_SHARE * free:
+            if self.sampler.compiled(plan, self.sampler.place(inputs)).working_bytes(decode) <= FREE_SHARE * free:
                 break
             batch = -(-batch // 2)
         return batch

@@ -428,10 +428,11 @@ class _Programs:
     sizes: tuple[int, ...]
     decode: Callable | None
 
-    def working_bytes(self) -> int:
+    def working_bytes(self, decode: bool = True) -> int:
         """What running the plan allocates per device beyond the resident parameters: the largest of its
-        programs' (`working_bytes`)."""
-        return max(map(working_bytes, [self.prepare, *self.denoise.values(), *([self.decode] if self.decode else [])]))
+        programs' (`working_bytes`), the decode's left out unless `decode`."""
+        decodes = [self.decode] if self.decode and decode else []
+        return max(map(working_bytes, [self.prepare, *self.denoise.values(), *decodes]))
 
     def flops(self) -> float:
         """Floating-point operations of one run of the plan, by XLA's own cost analysis of each program.
