@@ -520,7 +520,8 @@ class Sampler:
         params = self._prepare_params(plan)
         graphdefs = {name: self.graphdefs[name] for name in params}
         devices = self.mesh.devices.size
-        prepare_fn = functools.partial(_prepare, graphdefs, plan=plan.seen_by("prepare"), dtype=self.models["unet"].compute.dtype, devices=devices)
+        prepare_fn = functools.partial(_prepare, graphdefs, plan=plan.seen_by("prepare"),
+                                       dtype=self.models["unet"].compute.dtype, devices=devices)
         n = inputs.state.num_calls
         sizes = (self.chunk,) * (n // self.chunk) + ((n % self.chunk,) if n % self.chunk else ())
         unet_params = self._denoise_params(plan)
