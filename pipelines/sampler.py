@@ -374,11 +374,6 @@ def working_bytes(program: jax.stages.Compiled) -> int:
     return stats.temp_size_in_bytes + stats.output_size_in_bytes
 
 
-def _same_info(a, b) -> bool:
-    """Whether two programs' `out_info` trees have the same structure, shapes, dtypes and shardings."""
-    return jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.leaves(a) == jax.tree.leaves(b)
-
-
 def _finite(x: jax.Array) -> jax.Array:
     """(B, ...) -> (B,) bool: every value of the image finite."""
     return jnp.isfinite(x).all(axis=tuple(range(1, x.ndim)))
@@ -463,6 +458,7 @@ class Sampler:
         self.chunk = chunk
         self.compile_log = compile_log
         self._programs: dict[Plan, _Programs] = {}
+        self._compiled: dict[tuple, object] = {}  # `_once`'s
         self.compilations = 0
         self._decode32 = {}  # Plan.vae_tiling -> (jitted decode, float32 VAE parameters), made when first needed
         self._unmap_encoders = mesh.devices.flat[0].platform == "cpu"
@@ -548,6 +544,12 @@ class Sampler:
         `compiled` to take: a `Pipeline.load` shell over abstract models does it while the weights load."""
         executables.prefetch(self._recipe(plan, inputs).paths())
 
+    def _once(self, key: tuple, make: Callable):
+        """make(), the first time `key` is asked for; then what it made."""
+        if key not in self._compiled:
+            self._compiled[key] = make()
+        return self._compiled[key]
+
     def compiled(self, plan: Plan, inputs: Inputs) -> _Programs:
         """The plan's programs, compiled on first use (`inputs`: placed, for their shapes and shardings), or
         read from `pipelines.executables`' files, side by side (`executables.prefetch`)."""
@@ -556,22 +558,17 @@ class Sampler:
         t0 = time.perf_counter()
         r = self._recipe(plan, inputs)
         executables.prefetch(r.paths())
-        # the programs of a plan that differs only in `vae_tiling` (`Plan.seen_by`), compiled already
-        twin = self._programs.get(dataclasses.replace(plan, vae_tiling=not plan.vae_tiling))
-        if twin is not None and not plan.encodes():
-            prepare = twin.prepare
-        else:
-            prepare = executables.compile(r.prepare_fn, self._prepare_params(plan), inputs, path=r.prepare_path,
-                                          compiler_options=r.options)
+        # prepare and denoise are compiled once per plan as they read it (`Plan.seen_by`), denoise also per
+        # prepare's output shapes and shardings: plans that differ only in what they do not read share them
+        prepare = self._once(("prepare", plan.seen_by("prepare")), lambda: executables.compile(
+            r.prepare_fn, self._prepare_params(plan), inputs, path=r.prepare_path, compiler_options=r.options))
         carry, fixed = prepare.out_info  # shapes and the shardings XLA chose: the other programs keep them
         keep = (jax.tree.map(lambda s: s.sharding, carry), meshlib.replicated(self.mesh))
-        if twin is not None and _same_info(twin.prepare.out_info, prepare.out_info):
-            denoise = twin.denoise
-        else:
-            denoise = {calls: executables.compile(fn, self._denoise_params(plan), carry, fixed,
-                                                  path=r.denoise_paths[calls], compiler_options=r.options,
-                                                  out_shardings=keep, donate_argnums=1)
-                       for calls, fn in r.denoise_fns.items()}
+        info = (tuple(jax.tree.leaves(prepare.out_info)), jax.tree.structure(prepare.out_info))
+        denoise = self._once(("denoise", plan.seen_by("denoise"), *info), lambda: {
+            calls: executables.compile(fn, self._denoise_params(plan), carry, fixed, path=r.denoise_paths[calls],
+                                       compiler_options=r.options, out_shardings=keep, donate_argnums=1)
+            for calls, fn in r.denoise_fns.items()})
         decode = executables.compile(r.decode_fn, self.params["vae"], carry.latents, path=r.decode_path,
                                      compiler_options=r.options) if plan.decode else None
         self._programs[plan] = _Programs(prepare, denoise, r.sizes, decode)
