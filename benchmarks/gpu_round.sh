@@ -22,6 +22,9 @@
 #    (benchmarks/train.py; TRAIN overrides its arguments);
 # 11. tiles: benchmarks/memory.py at twice the size, one image, with the VAE in tiles (`--vae-tiling`) and
 #    without: the GPU compiler's memory analysis of the decode both ways.
+# 12. profile: steady state at batch 4 against diffusers, one timed generation, then one more under each
+#    framework's profiler: the GPU time by kernel and by kind (`benchmarks/sample.py --profile`); sdx's trace
+#    stays in WORK.
 #
 # STAGES (names, space-separated) runs those, in its order: a round split over two calls, say, or the
 # stages that matter most first. A stage that needs another's files (end_to_end and batch1_warm read
@@ -59,7 +62,7 @@ stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (le
 }
 
 read -ra train <<<"${TRAIN:---preset sd15 --size 512 --batch 8 --dtype bfloat16}"
-for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other blank_rows train tiles}; do
+for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other blank_rows train tiles profile}; do
   case $name in
   attention) stage "$name" 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py ;;
   batch1) stage "$name" 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 \
@@ -79,6 +82,8 @@ for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batc
                 --repeats 2 --no-reference --blank-rows always ;;
   tiles) stage "$name" 150 "$python" benchmarks/memory.py "${PRESET:-sdxl_base}" $((2 * ${SIZE:-1024})) 1 \
            --dtype "${DTYPE:-bfloat16}" --vae-dtype "${DTYPE:-bfloat16}" --attention "$attention" --vae-tiling ;;
+  profile) stage "$name" 300 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 1 \
+             --profile ;;
   train) stage "$name" 200 "$python" benchmarks/train.py --channels "" "${train[@]}" --attention "$attention" --repeats 5 ;;
   *) echo "gpu_round.sh: no stage named $name" >&2; exit 2 ;;
   esac

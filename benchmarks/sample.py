@@ -15,6 +15,9 @@ as each framework reaches it in its own process: the best of 5 float32 (or bfloa
 2048×2048 matrices on a CPU, 8192×8192 on an accelerator (sdx's layers' product, `sdx.products`, for sdx;
 torch.matmul for diffusers).
 
+`--profile` adds one generation under each framework's profiler and prints where its accelerator time went
+(benchmarks/kernels.py).
+
 `--end-to-end N` measures what a user waits for instead: the wall time of a fresh process making one
 image, `python -m sdx.sample` (its compilation cache warmed by one untimed run first) against a
 diffusers script doing the same job (load, generate, write the PNG), alternated N times; the medians
@@ -37,6 +40,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks import kernels  # noqa: E402
 
 
 def build_diffusers_folder(preset_name: str, folder: Path, dtype: str = "float32") -> Path:
@@ -96,6 +101,7 @@ def run_workers(script: str, frameworks, argv, *, extra=(), env=None) -> list[di
             print(f"{fw} failed:\n{proc.stderr[-3000:]}", file=sys.stderr)
             return None
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"{fw}: {json.dumps(results[-1])}", file=sys.stderr, flush=True)  # kept if a later worker is stopped
     return results
 
 
@@ -145,7 +151,7 @@ def run_sdx(args) -> dict:
 
     if args.blank_rows == "always":
         sampler.BLANK_ROWS_PLATFORMS = (jax.default_backend(),)
-    sampler.enable_compilation_cache(args.cache)
+    sampler.enable_compilation_cache(args.cache and Path(args.cache) / "jax")  # where `--cache` keeps them
     folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
     pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, attention=args.attention)
     noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
@@ -162,12 +168,14 @@ def run_sdx(args) -> dict:
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     peak_bytes = stats.get("peak_bytes_in_use") or peak_rss_bytes()  # before the matmul's buffers
+    profile = args.profile and kernels.jax_profile(lambda: pipe(request), Path(tempfile.mkdtemp(dir=args.work)))
     operand = lambda n, seed: jax.random.normal(jax.random.key(seed), (n, n), args.dtype)
     return {
         "framework": "sdx", "device": f"{device.platform}:{device.device_kind}", "compile_s": first - min(times),
         "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if stats else "process peak RSS",
         "matmul_peak": matmul_peak(jax.jit(lambda a, b: products.dot_general(a, b, (((1,), (0,)), ((), ())))),
                                    operand, matmul_size(device.platform != "cpu"), lambda x: x.block_until_ready()),
+        "profile": profile,
     }
 
 
@@ -202,10 +210,11 @@ def run_diffusers(args) -> dict:
                                           generator=torch.Generator(pipe.device).manual_seed(seed))
     with torch.inference_mode():
         peak = matmul_peak(torch.matmul, operand, matmul_size(cuda), lambda _: sync())
+        profile = args.profile and cuda and kernels.torch_profile(call, sync)
     return {
         "framework": "diffusers", "device": torch.cuda.get_device_name() if cuda else "cpu", "compile_s": first - min(times),
         "seconds": min(times), "peak_bytes": peak_bytes, "memory_kind": "device peak" if cuda else "process peak RSS",
-        "matmul_peak": peak,
+        "matmul_peak": peak, "profile": profile,
     }
 
 
@@ -284,8 +293,9 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "sdx-bench"), help="where models are built")
     p.add_argument("--no-reference", action="store_true", help="skip diffusers")
-    p.add_argument("--cache", help="keep sdx's compiled programs here (default: none, so the first call compiles; "
-                                   "--end-to-end: WORK/cache); an --end-to-end run given the same folder reads them")
+    p.add_argument("--cache", help="keep sdx's compiled programs here, as `python -m sdx.sample --cache` does (default: "
+                                   "none, so the first call compiles; --end-to-end: WORK/cache); an --end-to-end "
+                                   "run given the same folder reads them, and the other way round")
     p.add_argument("--end-to-end", type=int, metavar="N", help="time N alternated fresh processes of each instead")
     p.add_argument("--pairs", action="store_true",
                    help="--end-to-end: run each framework twice in a row per round, the second run finding its weight "
@@ -293,6 +303,9 @@ def parse(argv=None):
     p.add_argument("--blank-rows", choices=("auto", "always"), default="auto",
                    help="always: SDXL's zero negative branch skips its cross-attentions on this backend too (auto: on "
                         "the backends in pipelines.sampler.BLANK_ROWS_PLATFORMS); steady state only")
+    p.add_argument("--profile", action="store_true",
+                   help="steady state: one more generation under each framework's profiler, its accelerator time "
+                        "summed by kernel and by kind (benchmarks/kernels.py; diffusers' on a CUDA GPU only)")
     p.add_argument("--worker", choices=("sdx", "diffusers", "diffusers-e2e"), help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -334,6 +347,9 @@ def main(argv=None) -> int:
         s, d = results
         print(f"sdx / diffusers: time {s['seconds'] / d['seconds']:.2f}x, peak memory {s['peak_bytes'] / d['peak_bytes']:.2f}x "
               f"(below 1 means sdx is faster / smaller)")
+    for r in results:
+        if r["profile"]:
+            print(f"\n## {r['framework']}: one generation's kernels\n{r['profile']}")
     return 0
 
 

@@ -65,6 +65,7 @@ import enum
 import functools
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -369,9 +370,15 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
 
 def working_bytes(program: jax.stages.Compiled) -> int:
     """What a program allocates per device beyond its inputs: its temporaries and outputs, by XLA's own
-    memory analysis."""
-    stats = program.memory_analysis()
-    return stats.temp_size_in_bytes + stats.output_size_in_bytes
+    memory analysis, read once per program: on a GPU the analysis takes a tenth of a second or more a
+    program, and `Pipeline.fitted` asks for it at every generation whose batch size is left open."""
+    if program not in _WORKING_BYTES:
+        stats = program.memory_analysis()
+        _WORKING_BYTES[program] = stats.temp_size_in_bytes + stats.output_size_in_bytes
+    return _WORKING_BYTES[program]
+
+
+_WORKING_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # program -> working_bytes(program)
 
 
 def _finite(x: jax.Array) -> jax.Array:
