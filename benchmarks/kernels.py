@@ -25,6 +25,7 @@ KINDS = (
 
 
 def kind(name: str) -> str:
+    """The kind of the kernel called `name` (the first of `KINDS` with a fragment in it; else elementwise/other)."""
     lowered = name.lower().replace("convert", "")
     return next((k for k, parts in KINDS if any(p in lowered for p in parts)), "elementwise/other")
 
@@ -62,9 +63,11 @@ def _jax_profile(generate, folder: Path) -> str:
         generate()
     wall = time.perf_counter() - t0
     data = jax.profiler.ProfileData.from_file(str(next(folder.rglob("*.xplane.pb"))))
+    device_planes = [p for p in data.planes if p.name.startswith("/device:")]
+    if not device_planes:
+        return "no device plane in the trace (planes: " + ", ".join(p.name for p in data.planes) + ")"
     kernels = collections.defaultdict(lambda: [0.0, 0])
     streams = collections.Counter()
-    device_planes = [p for p in data.planes if p.name.startswith("/device:")]
     for plane in device_planes:
         for line in plane.lines:
             if line.name.startswith(("XLA", "Steps", "Launch", "Source")):  # derived from the streams' events
@@ -73,8 +76,6 @@ def _jax_profile(generate, folder: Path) -> str:
                 kernels[event.name][0] += event.duration_ns * 1e-9
                 kernels[event.name][1] += 1
                 streams[f"{plane.name} {line.name}"] += 1
-    if not device_planes:
-        return "no device plane in the trace (planes: " + ", ".join(p.name for p in data.planes) + ")"
     header = "events per line: " + ", ".join(f"{k}: {v}" for k, v in streams.most_common(8))
     return header + "\n" + summarize({k: tuple(v) for k, v in kernels.items()}, wall)
 

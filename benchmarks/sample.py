@@ -311,6 +311,8 @@ def parse(argv=None):
     args = p.parse_args(argv)
     if args.blank_rows == "always" and args.end_to_end:
         p.error("--blank-rows always is for the steady state: an --end-to-end run is `python -m sdx.sample`'s own")
+    if args.profile and args.end_to_end:
+        p.error("--profile is for the steady state: an --end-to-end run times whole processes")
     args.vae_dtype = args.vae_dtype or args.dtype
     return args
 
