@@ -3,9 +3,9 @@ own profiler (`benchmarks/sample.py --profile`).
 
 Each kernel is put in one kind by its name (`kind`): attention, convolution, matrix product, normalization or
 reduction, copy or transpose, other fused elementwise work. A name that says nothing of the work falls in the
-last: XLA's Triton fusions (`fusion_N`), among them the layer norms XLA fuses on a GPU. The summary gives the profiled generation's wall
-time, the sum of its kernels' times (below the wall time: the device waited for the host; above it: kernels
-ran side by side on several streams), each kind's share, and the longest kernels.
+last: XLA's Triton fusions (`fusion_N`), among them the layer norms XLA fuses on a GPU. The summary gives the
+profiled generation's wall time, the sum of its kernels' times (below the wall time: the device waited for the
+host; above it: kernels ran side by side on several streams), each kind's share, and the longest kernels.
 """
 
 from __future__ import annotations
