@@ -384,11 +384,6 @@ def run(args: argparse.Namespace) -> list[Path]:
         job.args.model = args.model
         _request(job, pipes[0])
 
-    compile_seconds = []
-    for p in pipes:
-        p.sampler.compile_log = lambda plan, s: (compile_seconds.append(s),
-                                                 log(f"compiled in {s:.1f} s ({plan.batch} image(s) per call"
-                                                     f"{', the VAE in tiles' if plan.vae_tiling else ''})"))
     count = sum(len(job.paths) for job in todo)
     bar = None
     if not args.quiet:  # a prompts file's progress is counted in images, one generation's in model calls
@@ -397,6 +392,17 @@ def run(args: argparse.Namespace) -> list[Path]:
         bar = tqdm(desc="images" if args.prompts_file else "denoising", unit="image" if args.prompts_file else "step",
                    total=count if args.prompts_file else 0, file=sys.stderr)
     steps_bar = None if args.prompts_file else bar
+    compile_seconds = []
+
+    def compiled(plan, seconds: float) -> None:
+        compile_seconds.append(seconds)
+        tiles = ", the VAE in tiles" if plan.vae_tiling else ""
+        log(f"compiled in {seconds:.1f} s ({plan.batch} image(s) per call{tiles})")
+        if bar is not None:
+            _leave_out(bar, seconds)
+
+    for p in pipes:
+        p.sampler.compile_log = compiled
     t0, written, failed = time.perf_counter(), [], []
     try:
         for job in todo:
@@ -416,6 +422,14 @@ def run(args: argparse.Namespace) -> list[Path]:
     if failed:
         raise SdxError("; ".join(failed))
     return written
+
+
+def _leave_out(bar, seconds: float) -> None:
+    """Leave `seconds` that just passed (a compile) out of a tqdm bar's elapsed time and rate: the bar last
+    printed before they began (when its total grew, or at the previous image), so its clock moves by them
+    and its first step no longer reads as the compile's length, nor its estimate of the time left."""
+    bar.start_t += seconds
+    bar.last_print_t += seconds
 
 
 def _log(msg: str) -> None:

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import jax
@@ -485,6 +486,29 @@ def test_model_checks_come_before_the_progress_bar(tiny_xl, tmp_path, capsys):
                  "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "denoising" not in err and err.strip().splitlines()[-1].startswith("error: --height 63"), err
+
+
+def test_the_progress_bar_leaves_the_compile_out_of_its_time_and_rate(tiny_xl, tmp_path, monkeypatch):
+    """The bar opens before the programs are compiled: its elapsed time and its rate are the sampling's, so
+    its first step does not read as the compile's length (each program made 1 s longer here: 3 s)."""
+    import tqdm
+
+    closed = []
+
+    class Recorded(tqdm.tqdm):
+        def close(self):
+            if not self.disable:  # still open: tqdm closes a closed bar again when it is collected
+                closed.append(dict(self.format_dict))
+            super().close()
+
+    slow = executables.compile
+    monkeypatch.setattr(executables, "compile", lambda *a, **k: (time.sleep(1.0), slow(*a, **k))[1])
+    monkeypatch.setattr(tqdm, "tqdm", Recorded)
+    assert main(["--model", str(tiny_xl), "--prompt", "x", "--height", "32", "--width", "32", "--steps", "2",
+                 "--cache", str(tmp_path), "--output", str(tmp_path / "out.png")]) == 0
+    (bar,) = [b for b in closed if b["prefix"] == "denoising"]
+    assert bar["n"] == 2 and bar["elapsed"] < 2.0, bar
+    assert bar["rate"] is None or bar["rate"] > 1.0, bar
 
 
 def test_missing_model_is_one_line(tmp_path, capsys):
