@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from sdx import io
 from sdx import mesh as meshlib
@@ -120,7 +121,8 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     mesh = meshlib.make_mesh(cfg.fsdp)
     sched = schedule(cfg, len(source))
     resume = checkpoint.resolve(cfg.resume_from_checkpoint, out)
-    metrics_log = print if jax.process_index() == 0 else (lambda *_: None)
+    # on stdout above the progress bar (on stderr), not glued to the end of its line
+    metrics_log = tqdm.write if jax.process_index() == 0 else (lambda *_: None)
 
     task = make_task(cfg, mesh, metrics_log, restoring=resume is not None)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,11 +36,14 @@ class Metrics:
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """Record `values` for optimizer step `step` (1-based: the number of steps done)."""
+        clean = {k: float(v) for k, v in values.items()}
+        # printed by the update, with the step it belongs to (refreshed on its own, it printed the new
+        # loss beside the previous step's count, and every update beside the previous step's loss)
+        self.bar.set_postfix(loss=f"{clean.get('loss', math.nan):.4f}", img_s=f"{clean.get('images_per_s', 0):.1f}",
+                             refresh=False)
         self.bar.update(step - self.bar.n)
         if not self.main:
             return
-        clean = {k: float(v) for k, v in values.items()}
-        self.bar.set_postfix(loss=f"{clean.get('loss', math.nan):.4f}", img_s=f"{clean.get('images_per_s', 0):.1f}")
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
         self.file.flush()
         if self.writer is not None:
