@@ -107,7 +107,7 @@ def run_sdx(args) -> dict:
 
     from pipelines.family import Family
     from sdx import mesh as meshlib
-    from sdx import schedulers, weights
+    from sdx import attention, schedulers, weights
     from sdx.layers import Compute
     from sdx.unet import UNet2DConditionModel, UNetConfig
     from sdx.vae import VAEConfig
@@ -116,8 +116,9 @@ def run_sdx(args) -> dict:
 
     raw = unet_config(args)
     cfg = UNetConfig.from_diffusers_config(raw)
-    compute = Compute(dtype=jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32, param_dtype=jnp.float32,
-                      attention=args.attention, remat=args.remat)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    compute = Compute(dtype=dtype, param_dtype=jnp.float32, attention=args.attention or attention.default_backend(dtype),
+                      remat=args.remat)
     model = weights.abstract(lambda r: UNet2DConditionModel(cfg, compute, rngs=r))
     r = np.random.default_rng(0)
     arrays = {k: (0.02 * r.standard_normal(s)).astype(np.float32) for k, s in weights.param_shapes(model).items()}
@@ -211,7 +212,8 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--remat", action="store_true", help="gradient checkpointing in both")
-    p.add_argument("--attention", default="xla", help="sdx attention backend (xla, cudnn, chunked)")
+    p.add_argument("--attention", help="sdx attention backend (xla, cudnn, chunked; default: training's, "
+                   "sdx.attention.default_backend of the dtype)")
     p.add_argument("--threads", type=int, choices=(1,), help="CPU: one compute thread per framework (torch's "
                    "set_num_threads, XLA's Eigen pool off), for a machine whose other cores are busy")
     p.add_argument("--warmup", type=int, default=2)

@@ -1,5 +1,5 @@
-"""The XLA:CPU options the sampler's programs are compiled with: YNNPACK for matrix products and
-reductions alone, and XLA's memory-optimized scheduler.
+"""The XLA:CPU options the sampler's programs and training's step are compiled with: YNNPACK for matrix
+products and reductions alone, and XLA's memory-optimized scheduler.
 
 XLA:CPU (jaxlib 0.10) hands dots, convolutions, reductions and elementwise work around them to YNNPACK
 fusions by default. Each fusion sets itself up on a program's first run, and its convolutions and fused
@@ -21,8 +21,10 @@ before sdx.products: 9.6 GiB of temporaries, more than its 4.8 GiB of weights). 
 scheduler converts each weight where it is used: 0.13 GiB, and the call took 6.9 s instead of 12.3 s
 (2-core AMD EPYC VM); in float32 it changes neither the time nor, much, the memory.
 
-The choice is per compile (`compiler_options`), so programs a user builds around sdx keep XLA's default,
-and so does training's step. A user who sets an option in `XLA_FLAGS` keeps that choice.
+The choice is per compile (`compiler_options`), so programs a user builds around sdx keep XLA's default.
+Training's step takes the same options (`train.step.compile_step`): SD 1.5's UNet structure at a fifth of
+its width, 256², batch 4, 3.43 s a step against 3.89 with XLA's default (best of 4, one process). A user
+who sets an option in `XLA_FLAGS` keeps that choice.
 """
 
 from __future__ import annotations

@@ -219,12 +219,19 @@ def upsample_conv(x: jax.Array, kernel: jax.Array, backend: Backend) -> jax.Arra
     (a = 0) or i, i + 1 (a = 1), and the same for columns: four 2×2 kernels (`_phase_kernel`). One 2×2
     convolution (`backend`'s) of `x` padded by one pixel computes all four as 4·O channels at
     (H + 1)·(W + 1) places; phase (a, b) is the window starting at (a, b). 16 products per input pixel and
-    output channel, against the upsampled image's 36."""
+    output channel, against the upsampled image's 36.
+
+    The padding is a `jnp.pad` before an unpadded convolution, not the convolution's own: XLA folds it back
+    into the forward convolution (the same program), but the kernel's gradient of a 2×2 convolution padded
+    by 1 on every side (padded by its full width) is a convolution XLA:CPU runs with a reversed kernel on a
+    slow path, 25-80× slower than the gradient of the unpadded one (benchmarks/README.md: 42.6 s against
+    0.56 s for 2×32²×640 channels); from the padded input it is an ordinary one."""
     b, h, w, _ = x.shape
     o = kernel.shape[-1]
     k = _phase_kernel(kernel.astype(jnp.float32)).astype(x.dtype)
-    nhwc = lax.conv_dimension_numbers(x.shape, k.shape, _NHWC)
-    y = for_backend(backend)(x, k, (1, 1), ((1, 1), (1, 1)), dimension_numbers=nhwc).reshape(b, h + 1, w + 1, 2, 2, o)
+    xp = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # (B, H + 2, W + 2, C)
+    nhwc = lax.conv_dimension_numbers(xp.shape, k.shape, _NHWC)
+    y = for_backend(backend)(xp, k, (1, 1), ((0, 0), (0, 0)), dimension_numbers=nhwc).reshape(b, h + 1, w + 1, 2, 2, o)
     rows = [jnp.stack([y[:, a:a + h, c:c + w, a, c] for c in (0, 1)], axis=3) for a in (0, 1)]  # (B, H, W, 2, O)
     return jnp.stack(rows, axis=2).reshape(b, 2 * h, 2 * w, o)  # (B, H, 2, W, 2, O) -> (B, 2H, 2W, O)
 

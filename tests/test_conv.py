@@ -206,3 +206,16 @@ def test_auto_convolves_before_upsampling_where_its_rule_says():
     assert not upsampled("auto", 2, 8, 16)  # 256 pixels
     assert upsampled("auto", 1, 15, 17)  # 255
     assert upsampled("xla", 2, 8, 16) and upsampled("matmul", 2, 8, 16)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="`auto` is `xla` off the CPU")
+def test_the_kernel_gradient_of_a_folded_upsampling_is_an_ordinary_convolution():
+    """`upsample_conv` pads before its 2×2 convolution: padded by the convolution itself (by the kernel's
+    full width), the kernel's gradient compiles to a convolution with a reversed kernel, which XLA:CPU runs
+    25-80× slower (benchmarks/README.md; a third of a training step's time)."""
+    layer = _upsample_layer("auto")
+    x = jnp.zeros((2, 11, 13, 6))  # folded (`folds_upsampling`), and XLA's convolution, not a matmul
+    graphdef, params = nnx.split(layer)
+    grad = jax.jit(jax.grad(lambda params: jnp.sin(nnx.merge(graphdef, params)(x)).sum()))
+    convolutions = [line for line in grad.lower(params).compile().as_text().splitlines() if " convolution(" in line]
+    assert convolutions and not any("rhs_reversal" in line for line in convolutions), convolutions

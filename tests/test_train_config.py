@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import jax
 import pytest
 
-from train import config
+from sdx import attention
+from train import config, models
 
 # diffusers' documented InstructPix2Pix command line (examples/instruct_pix2pix/README.md), as is but for
 # the final --push_to_hub (an upload, which sdx leaves to the user: an error, tested below).
@@ -26,7 +28,7 @@ def test_diffusers_command_line_parses_with_its_meaning(capsys):
     assert (c.max_train_steps, c.checkpointing_steps, c.checkpoints_total_limit) == (15000, 5000, 1)
     assert (c.learning_rate, c.max_grad_norm, c.lr_warmup_steps) == (5e-05, 1.0, 0)
     assert (c.conditioning_dropout_prob, c.mixed_precision, c.seed) == (0.05, "bf16", 42)
-    assert c.report_to == "tensorboard" and c.attention == "xla"
+    assert c.report_to == "tensorboard" and c.attention is None  # the sampler's, per dtype (`models.computes`)
     # the two substitutions are said, one line each
     notes = capsys.readouterr().err.strip().splitlines()
     assert len(notes) == 2 and all(n.startswith("note: ") for n in notes), notes
@@ -127,3 +129,15 @@ def test_bad_values_one_error_line(capsys, task, extra, words):
 
 def test_model_is_required(capsys):
     assert "pretrained_model_name_or_path" in _error(capsys, "text_to_image", ["--dataset_name", "d"])
+
+
+def test_without_attention_each_model_takes_the_sampler_s_backend_for_its_dtype():
+    base = ["--pretrained_model_name_or_path", "m", "--dataset_name", "d"]
+    for flags in ([], ["--mixed_precision", "bf16"]):
+        run = models.computes(config.parse("pix2pix", base + flags))
+        assert {name: c.attention for name, c in run.items()} == {
+            name: attention.default_backend(c.dtype) for name, c in run.items()}
+    run = models.computes(config.parse("pix2pix", base + ["--attention", "xla"]))
+    assert {c.attention for c in run.values()} == {"xla"}
+    if jax.default_backend() == "cpu":
+        assert models.computes(config.parse("pix2pix", base))["unet"].attention == "chunked"

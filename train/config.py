@@ -64,7 +64,7 @@ UNSUPPORTED = {
 # diffusers flags (store_true) that change nothing sdx computes: accepted, ignored with a note.
 IGNORED = {
     "enable_xformers_memory_efficient_attention": "it chooses an attention kernel, not the math; sdx's kernel is "
-                                                  "--attention (xla by default, cudnn, chunked)",
+                                                  "--attention (xla, cudnn, chunked; by default the sampler's choice)",
     "enable_npu_flash_attention": "it chooses an attention kernel, not the math; sdx's kernel is --attention",
     "offload_ema": "it moves the EMA to the CPU between steps, not the math; sdx keeps the EMA sharded with the "
                    "parameters",
@@ -117,7 +117,7 @@ class TrainConfig:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     mixed_precision: str = "no"
-    attention: str = "xla"
+    attention: str | None = None  # None: `sdx.attention.default_backend` of the compute dtype
     fsdp: int = 1
     # objective
     prediction_type: str | None = None
@@ -230,7 +230,8 @@ def parser(task: str) -> argparse.ArgumentParser:
     opt("max_grad_norm", "clip the global gradient norm to this (0: no clipping)", type=float)
     opt("mixed_precision", "bf16: bfloat16 compute, float32 master weights (fp16 runs as bf16)",
         choices=("no", "bf16", "fp16"))
-    opt("attention", "attention backend", choices=BACKENDS)
+    opt("attention", "attention backend (default: the sampler's: chunked on a CPU, cudnn in bf16 on an NVIDIA GPU "
+        "with flash attention, xla elsewhere)", choices=BACKENDS)
     opt("fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)", type=int)
 
     if task != "vae":

@@ -27,6 +27,7 @@ from convert.sources import ModelOptions
 from pipelines import executables
 from pipelines.cli import resolve_model
 from pipelines.family import Family, family_of
+from sdx import attention
 from sdx import mesh as meshlib
 from sdx import model_folder, weights
 from sdx.errors import SdxError
@@ -65,13 +66,15 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
 
 def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
     """How each model runs on `mesh` (whose devices split the batch): the UNet trains in the compute dtype
-    with float32 master weights."""
+    with float32 master weights; without `--attention`, each model takes the sampler's backend for its
+    dtype (`chunked` on a CPU: benchmarks/README.md, a training step 0.73× the time of `xla`'s)."""
     dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
-    run = dict(attention=cfg.attention, batch_shards=mesh.devices.size if mesh is not None else 1)
+    shards = mesh.devices.size if mesh is not None else 1
+    run = lambda d: dict(attention=cfg.attention or attention.default_backend(d), batch_shards=shards)
     return {
-        "unet": Compute(dtype=dtype, param_dtype=jnp.float32, remat=cfg.gradient_checkpointing, **run),
-        "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, **run),
-        "text": Compute(dtype=dtype, param_dtype=dtype, **run),
+        "unet": Compute(dtype=dtype, param_dtype=jnp.float32, remat=cfg.gradient_checkpointing, **run(dtype)),
+        "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, **run(jnp.float32)),
+        "text": Compute(dtype=dtype, param_dtype=dtype, **run(dtype)),
     }
 
 
