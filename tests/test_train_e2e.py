@@ -167,9 +167,12 @@ def test_a_mesh_resumes_exactly_and_two_hosts_train_as_one(setup):
     """4 devices as data 2 x fsdp 2, the UNet, Adam moments and EMA split over fsdp: 4 steps straight and
     2 + a resume to 4 write the same bytes. The same 4 steps as two processes of 2 devices each (per-host
     data shards, parameters split across hosts, gradients reduced over gloo): the same losses and gradient
-    norms at every step as one process of 4, and the same weights up to float32 summation order (AdamW
-    turns a gradient that is ~0 up to rounding into a full-size step: the bound is a fifth of one step's
-    largest update, lr 1e-4). (One test: the two-host run is checked against the one-host run.)"""
+    norms at every step as one process of 4, and the same weights up to float32 summation order: all but
+    one in a thousand within 1e-5, and none further apart than 4 steps of AdamW can take them (4 · lr 1e-4),
+    since AdamW turns a gradient that is ~0 up to rounding (a bias before a group norm) into a step of up
+    to lr in the direction of the rounding's sign (the largest difference seen: 3.8e-5, in such biases).
+    Gradients not reduced across the hosts would move most weights apart by about lr a step. (One test:
+    the two-host run is checked against the one-host run.)"""
     root, model = setup
     one, two = root / "mesh", root / "hosts"
     _mesh_run(model, root / "ds", one, resume=True)
@@ -183,4 +186,5 @@ def test_a_mesh_resumes_exactly_and_two_hosts_train_as_one(setup):
         np.testing.assert_allclose([r[key] for r in metrics[1]], [r[key] for r in metrics[0]], rtol=2e-6)
     a, b = (load_file(d / "a" / "unet.safetensors") for d in (one, two))
     assert a.keys() == b.keys()
-    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) < 2e-5
+    apart = np.concatenate([np.abs(a[k] - b[k]).ravel() for k in a])
+    assert np.quantile(apart, 0.999) < 1e-5 and apart.max() < 4 * 1e-4, (np.quantile(apart, 0.999), apart.max())
