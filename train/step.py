@@ -172,7 +172,8 @@ def train_step(
 def step_program(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], seed_key: jax.Array, mesh,
                  constants=None, **kw) -> tuple[functools.partial, tuple, dict]:
     """What `compile_step` compiles, as (function, arguments, jit options): `pipelines.executables` keys the
-    program by them. `constants` come back placed, replicated over `mesh`."""
+    program by them and by the compiler options `compile_step` adds on a CPU. `constants` come back placed,
+    replicated over `mesh`."""
     replicated = meshlib.replicated(mesh)
     constants = jax.jit(lambda c: c, out_shardings=replicated)({} if constants is None else constants)  # one host or many
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
