@@ -25,6 +25,8 @@
 # 12. profile: steady state at batch 4 against diffusers, one timed generation, then one more under each
 #    framework's profiler: the GPU time by kernel and by kind (`benchmarks/sample.py --profile`); sdx's trace
 #    stays in WORK.
+# 13. train_lora: one LoRA training step (rank 4) of SDXL base's UNet at 1024², batch 1, bfloat16, against
+#    diffusers + peft's (benchmarks/train.py --lora; TRAIN_LORA overrides its arguments; needs peft).
 #
 # STAGES (names, space-separated) runs those, in its order: a round split over two calls, say, or the
 # stages that matter most first. A stage that needs another's files (end_to_end and batch1_warm read
@@ -62,7 +64,8 @@ stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (le
 }
 
 read -ra train <<<"${TRAIN:---preset sd15 --size 512 --batch 8 --dtype bfloat16}"
-for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other blank_rows train tiles profile}; do
+read -ra train_lora <<<"${TRAIN_LORA:---preset sdxl_base --size 1024 --batch 1 --dtype bfloat16 --lora 4}"
+for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other blank_rows train tiles profile train_lora}; do
   case $name in
   attention) stage "$name" 120 "$python" -m pytest -q -p no:cacheprovider tests/test_attention.py ;;
   batch1) stage "$name" 300 "$python" benchmarks/sample.py "${job[@]}" --batch 1 --attention "$attention" --repeats 3 \
@@ -85,6 +88,8 @@ for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batc
   profile) stage "$name" 300 "$python" benchmarks/sample.py "${job[@]}" --batch 4 --attention "$attention" --repeats 1 \
              --profile ;;
   train) stage "$name" 200 "$python" benchmarks/train.py --channels "" "${train[@]}" --attention "$attention" --repeats 5 ;;
+  train_lora) stage "$name" 200 "$python" benchmarks/train.py --channels "" "${train_lora[@]}" --attention "$attention" \
+                --repeats 5 ;;
   *) echo "gpu_round.sh: no stage named $name" >&2; exit 2 ;;
   esac
 done

@@ -10,8 +10,11 @@ the UNet forward and backward, MSE in float32, clip_grad_norm_(1.0) and AdamW. F
 state); for diffusers `UNet2DConditionModel` + `DDPMScheduler` + `torch.optim.AdamW`, as the script
 writes it. Same architecture (an sdx preset's UNet config, `--channels` to shrink it), same batch
 shapes, random weights; `--dtype bfloat16` is sdx's `--mixed_precision bf16` and torch's autocast to
-bfloat16 (float32 master weights both), `--remat` sdx's `nnx.remat` and diffusers'
-`enable_gradient_checkpointing()`.
+bfloat16 (float32 master weights both), `--remat` sdx's rematerialised blocks and diffusers'
+`enable_gradient_checkpointing()`. `--lora RANK` trains adapters of that rank instead (alpha = rank) and
+leaves the UNet frozen, in the compute dtype: sdx's `python -m train.text_to_image_lora` step (`sdx.lora`,
+`train.step.with_base`) against train_text_to_image_lora.py's (peft's LoraConfig on to_q, to_k, to_v,
+to_out.0; the UNet cast to the compute dtype, AdamW and clipping over the adapters).
 
 Each framework runs in a subprocess of its own (so its peak memory is its own): `--warmup` steps (for
 sdx the first one includes the compile), then `--repeats` timed steps, each waited for (sdx:
@@ -26,6 +29,7 @@ takes ~60x longer (measured), which says nothing about either framework.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -107,7 +111,7 @@ def run_sdx(args) -> dict:
 
     from pipelines.family import Family
     from sdx import mesh as meshlib
-    from sdx import attention, schedulers, weights
+    from sdx import attention, lora, schedulers, weights
     from sdx.layers import Compute
     from sdx.unet import UNet2DConditionModel, UNetConfig
     from sdx.vae import VAEConfig
@@ -117,12 +121,15 @@ def run_sdx(args) -> dict:
     raw = unet_config(args)
     cfg = UNetConfig.from_diffusers_config(raw)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    compute = Compute(dtype=dtype, param_dtype=jnp.float32, attention=args.attention or attention.default_backend(dtype),
+    param_dtype = dtype if args.lora else jnp.float32  # a LoRA run's frozen UNet: the compute dtype
+    compute = Compute(dtype=dtype, param_dtype=param_dtype, attention=args.attention or attention.default_backend(dtype),
                       remat=args.remat)
     model = weights.abstract(lambda r: UNet2DConditionModel(cfg, compute, rngs=r))
+    n = sum(int(np.prod(s)) for s in weights.param_shapes(model).values())
     r = np.random.default_rng(0)
     arrays = {k: (0.02 * r.standard_normal(s)).astype(np.float32) for k, s in weights.param_shapes(model).items()}
-    model = weights.materialize(model, arrays, dtype=jnp.float32)
+    mesh = meshlib.make_mesh(1, devices=jax.devices()[:1])
+    model = weights.materialize(model, arrays, dtype=param_dtype, sharding=meshlib.param_sharding(mesh))
     del arrays
     xl = "pooled" in shapes(args, raw)
     fam = Family(xl=xl, pix2pix=False, aesthetic=False,
@@ -131,16 +138,23 @@ def run_sdx(args) -> dict:
                                      vae=VAEConfig(scaling_factor=0.18215), prediction_type="epsilon")
     host = batch_arrays(args, raw)
     null = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in host.items() if k in ("context", "pooled")}
-    graphdef, params = nnx.split(model, nnx.Param)
+    constants = null
+    if args.lora:
+        lora.attach(model, args.lora, float(args.lora), jax.random.key(0), sharding=meshlib.replicated(mesh))
+        graphdef, params, base = nnx.split(model, lora.LoRAParam, ...)
+        loss_fn = functools.partial(steplib.with_base, denoise.loss_fn(graphdef, loss_cfg))
+        constants = {"task": null, "base": base}
+    else:
+        graphdef, params = nnx.split(model, nnx.Param)
+        loss_fn = denoise.loss_fn(graphdef, loss_cfg)
     tx = optimizer.AdamW(1e-4, max_grad_norm=1.0)
     state = steplib.init_state(params, tx, use_ema=False)
-    mesh = meshlib.make_mesh(1, devices=jax.devices()[:1])
     host["index"] = np.arange(args.batch)
     batch = meshlib.put_batch(mesh, host)
     seed = jax.random.key(0)
     t0 = time.perf_counter()
     fn = steplib.compile_step(state, {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in batch.items()}, seed, mesh,
-                              constants=null, loss_fn=denoise.loss_fn(graphdef, loss_cfg), tx=tx, accumulation=1, ema=None,
+                              constants=constants, loss_fn=loss_fn, tx=tx, accumulation=1, ema=None,
                               learning_rate=lambda s: 1e-4)
     compile_s = time.perf_counter() - t0
     holder = {"state": state}
@@ -152,7 +166,6 @@ def run_sdx(args) -> dict:
     first, best = _timed(step, lambda: jax.block_until_ready(holder["metrics"]), args)
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
-    n = sum(int(np.prod(s)) for s in weights.param_shapes(model).values())
     return {"framework": "sdx", "device": f"{device.platform}:{device.device_kind}", "first_extra_s": compile_s + first - best,
             "seconds": best, "params": n, "loss": float(holder["metrics"]["loss"]),
             "peak_bytes": stats.get("peak_bytes_in_use") or peak_rss_bytes(),
@@ -172,10 +185,22 @@ def run_diffusers(args) -> dict:
     raw = unet_config(args)
     torch.manual_seed(0)
     unet = diffusers.UNet2DConditionModel(**raw).to(device).train()
+    params = sum(p.numel() for p in unet.parameters())
     if args.remat:
         unet.enable_gradient_checkpointing()
+    if args.lora:  # train_text_to_image_lora.py: the UNet frozen in the compute dtype, float32 adapters
+        from peft import LoraConfig
+
+        unet.requires_grad_(False)
+        unet.to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+        unet.add_adapter(LoraConfig(r=args.lora, lora_alpha=args.lora, init_lora_weights="gaussian",
+                                    target_modules=["to_k", "to_q", "to_v", "to_out.0"]))
+        for p in unet.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    trained = [p for p in unet.parameters() if p.requires_grad]
     scheduler = diffusers.DDPMScheduler(**SCHEDULER)
-    optim = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
+    optim = torch.optim.AdamW(trained, lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
     host = {k: torch.from_numpy(v).to(device) for k, v in batch_arrays(args, raw).items()}
     moments = host["moments"].permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
@@ -191,14 +216,14 @@ def run_diffusers(args) -> dict:
             pred = unet(noisy, timesteps, host["context"], added_cond_kwargs=added).sample
         loss = F.mse_loss(pred.float(), noise.float(), reduction="mean")
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optim.step()
         optim.zero_grad()
         holder["loss"] = loss.detach()
 
     first, best = _timed(step, torch.cuda.synchronize if cuda else (lambda: None), args)
     return {"framework": "diffusers", "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "first_extra_s": first - best, "seconds": best, "params": sum(p.numel() for p in unet.parameters()),
+            "first_extra_s": first - best, "seconds": best, "params": params,
             "loss": float(holder["loss"]), "peak_bytes": torch.cuda.max_memory_allocated() if cuda else peak_rss_bytes(),
             "memory_kind": "device peak" if cuda else "process peak RSS"}
 
@@ -212,6 +237,7 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--remat", action="store_true", help="gradient checkpointing in both")
+    p.add_argument("--lora", type=int, metavar="RANK", help="train LoRA adapters of this rank (alpha = rank) instead")
     p.add_argument("--attention", help="sdx attention backend (xla, cudnn, chunked; default: training's, "
                    "sdx.attention.default_backend of the dtype)")
     p.add_argument("--threads", type=int, choices=(1,), help="CPU: one compute thread per framework (torch's "
@@ -238,7 +264,8 @@ def main(argv=None) -> int:
         return 1
     print(f"# {machine()}; UNet of {args.preset} with block_out_channels {args.channels or 'as the preset'} "
           f"({results[0]['params'] / 1e6:.1f}M parameters), {args.size}x{args.size}, batch {args.batch}, {args.dtype}"
-          f"{', remat' if args.remat else ''}{', 1 thread' if args.threads else ''}; best of {args.repeats} steps "
+          f"{', remat' if args.remat else ''}{f', LoRA rank {args.lora}' if args.lora else ''}"
+          f"{', 1 thread' if args.threads else ''}; best of {args.repeats} steps "
           f"after {args.warmup}")
     print("| framework | device | compile + first step − steady (s) | s/step | images/s | peak memory (GiB) |")
     print("|---|---|---|---|---|---|")

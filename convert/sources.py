@@ -166,12 +166,15 @@ class _recording:
 
 
 def resolve_lora(spec: str, *, cache_dir: str | Path | None = None, log: Log | None = None) -> Path:
-    """The local file of a `--lora` argument: a path, or a hub `org/name/file.safetensors` (or `org/name`
-    holding pytorch_lora_weights.safetensors or exactly one .safetensors file), downloaded."""
+    """The local file of a `--lora` argument: a path; a folder or a hub `org/name` holding
+    pytorch_lora_weights.safetensors or exactly one .safetensors file (what diffusers' load_lora_weights
+    takes, and what `python -m train.text_to_image_lora` writes); or a hub `org/name/file.safetensors`,
+    downloaded."""
     if Path(spec).is_file():
         return Path(spec)
     if Path(spec).is_dir():
-        raise SdxError(f"--lora {spec}: is a folder; give the LoRA's .safetensors file")
+        listing = sorted(p.name for p in Path(spec).iterdir() if p.is_file())
+        return Path(spec) / _lora_file(listing, f"--lora {spec}: the folder", f"{Path(spec) / 'FILE'}")[0]
     repo, file = _hub_or_error(spec, "--lora")
 
     def choose(listing: list[str]) -> list[str]:
@@ -180,19 +183,24 @@ def resolve_lora(spec: str, *, cache_dir: str | Path | None = None, log: Log | N
             if file not in listing:
                 raise SdxError(f"{where} has no file {file}")
             return [file]
-        if "pytorch_lora_weights.safetensors" in listing:
-            return ["pytorch_lora_weights.safetensors"]
-        found = [f for f in listing if f.endswith(".safetensors")]
-        if len(found) == 1:
-            return found
-        if not found:
-            raise SdxError(f"{where} has no .safetensors file (LoRAs are read from safetensors only)")
-        raise SdxError(f"{where} has several .safetensors files ({', '.join(found[:6])}); name one: "
-                       f"--lora {repo}/FILE[:SCALE]")
+        return _lora_file(listing, where, f"{repo}/FILE")
 
     chosen = _recording(choose)
     folder = hub.fetch_files(repo, chosen, cache_dir=cache_dir, log=log)
     return folder / chosen.picked[0]
+
+
+def _lora_file(listing: list[str], where: str, name_one: str) -> list[str]:
+    """[the LoRA file among `listing`]: pytorch_lora_weights.safetensors, else the only .safetensors file."""
+    if "pytorch_lora_weights.safetensors" in listing:
+        return ["pytorch_lora_weights.safetensors"]
+    found = [f for f in listing if f.endswith(".safetensors")]
+    if len(found) == 1:
+        return found
+    if not found:
+        raise SdxError(f"{where} has no .safetensors file (LoRAs are read from safetensors only)")
+    raise SdxError(f"{where} has several .safetensors files ({', '.join(found[:6])}); name one: "
+                   f"--lora {name_one}[:SCALE]")
 
 
 def resolve_vae(spec: str, *, variant: str | None = None, cache_dir: str | Path | None = None,

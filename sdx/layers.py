@@ -44,8 +44,18 @@ class Compute:
 F32 = Compute()
 
 
-def linear(cp: Compute, din: int, dout: int, *, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=cp.dtype, param_dtype=cp.param_dtype,
+class Linear(nnx.Linear):
+    """nnx.Linear that adds the output of its LoRA adapter `lora` when it has one (`sdx.lora.attach`)."""
+
+    lora = None
+
+    def __call__(self, x):
+        y = super().__call__(x)
+        return y if self.lora is None else y + self.lora(x).astype(y.dtype)
+
+
+def linear(cp: Compute, din: int, dout: int, *, rngs: nnx.Rngs, bias: bool = True) -> Linear:
+    return Linear(din, dout, use_bias=bias, dtype=cp.dtype, param_dtype=cp.param_dtype,
                       dot_general=products.dot_general, rngs=rngs)
 
 

@@ -37,6 +37,7 @@ SLOW_FILES = (
     "tests/test_train_vae.py",  # ~105
     "tests/test_train_cache.py",  # ~80
     "tests/test_train_mesh.py",  # ~75
+    "tests/test_train_lora.py",  # ~70 (2026-12-02, alone)
     "tests/test_nonfinite.py",  # ~65
     "tests/test_fuzz_readers.py",  # ~55
     "tests/test_full_disk.py",  # ~45

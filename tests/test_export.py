@@ -268,6 +268,9 @@ def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
     assert fake.downloaded == {"pytorch_lora_weights.safetensors"}
     delta = np.asarray(read_sdx_folder(a).tensors["unet"]["conv_in.weight"]) - state(pipe.unet)["conv_in.weight"]
     np.testing.assert_allclose(delta, 0.5 * 2 * 0.01 * 0.02, rtol=0, atol=1e-6)
+    # the same folder on disk as --lora: its pytorch_lora_weights.safetensors, as diffusers' load_lora_weights
+    local = library.convert(sdx, tmp_path / "a-local", options=library.ModelOptions.from_args(lora=[f"{repo}:0.5"]))
+    assert (read_sdx_folder(local).tensors["unet"]["conv_in.weight"] == read_sdx_folder(a).tensors["unet"]["conv_in.weight"]).all()
     fake.downloaded.clear()
     library.convert(sdx, tmp_path / "b", options=library.ModelOptions.from_args(lora=["org/lora/other.safetensors"]))
     assert fake.downloaded == {"other.safetensors"}
@@ -275,6 +278,7 @@ def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
           "hub repo 'org/lora'", "has no file missing.safetensors")
     (repo / "pytorch_lora_weights.safetensors").rename(repo / "third.safetensors")
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--lora", "org/lora"], "several .safetensors files")
+    fails(capsys, [str(sdx), str(tmp_path / "c"), "--lora", str(repo)], "the folder", "several .safetensors files")
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--vae", "org/lora"], "neither a VAE repo")
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--lora", "org/elsewhere:0.3"], "hub repo 'org/elsewhere'", "not found")
 

@@ -118,6 +118,12 @@ BAD_VALUES = [
     ("pix2pix", ["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag"),
     ("text_to_image", ["--conditioning_dropout_prob", "0.1"], "unrecognized arguments: --conditioning_dropout_prob"),
     ("vae", ["--snr_gamma", "5"], "unrecognized arguments: --snr_gamma"),
+    ("text_to_image", ["--rank", "0"], "--rank must be at least 1, got 0"),
+    ("text_to_image", ["--lora_alpha", "8"], "--rank must be at least 1, got None"),
+    ("text_to_image", ["--rank", "4", "--lora_alpha", "0"], "--lora_alpha must be positive"),
+    ("text_to_image", ["--rank", "4", "--export_format", "diffusers"], "pytorch_lora_weights.safetensors"),
+    ("text_to_image", ["--train_text_encoder"], "the text encoders stay frozen"),
+    ("pix2pix", ["--rank", "4"], "unrecognized arguments: --rank"),
 ]
 
 
@@ -125,6 +131,21 @@ BAD_VALUES = [
 def test_bad_values_one_error_line(capsys, task, extra, words):
     msg = _error(capsys, task, ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", *extra])
     assert words in msg, msg
+
+
+def test_lora_script_is_text_to_image_with_a_rank():
+    """`python -m train.text_to_image_lora` takes diffusers' train_text_to_image_lora.py defaults (rank 4, its
+    output folder); `python -m train.text_to_image --rank N` is the same run."""
+    base = ["--pretrained_model_name_or_path", "m", "--dataset_name", "d"]
+    c = config.parse("text_to_image", base, lora=True)
+    assert (c.task, c.rank, c.lora_alpha, c.output_dir, c.resolution) == (
+        "text_to_image", 4, None, "sd-model-finetuned-lora", 512)
+    assert config.parse("text_to_image", base + ["--rank", "4", "--output_dir", "sd-model-finetuned-lora"]) == c
+    assert config.parse("text_to_image", base).rank is None  # the whole UNet
+    run = models.computes(config.parse("text_to_image", base + ["--mixed_precision", "bf16"], lora=True))
+    assert run["unet"].param_dtype == run["unet"].dtype == jax.numpy.bfloat16  # frozen weights in the compute dtype
+    assert models.computes(config.parse("text_to_image", base + ["--mixed_precision", "bf16"]))["unet"].param_dtype == \
+        jax.numpy.float32  # master weights
 
 
 def test_model_is_required(capsys):

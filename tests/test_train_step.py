@@ -1,8 +1,10 @@
 """The training step: its loss and gradients against diffusers' UNet + DDPMScheduler in PyTorch for the same
-batch, noise, timesteps and dropout; gradient accumulation equals the big batch; a tiny model overfits; the
+batch, noise, timesteps and dropout (and a LoRA's against peft's); gradient accumulation equals the big batch; a tiny model overfits; the
 loop's step is kept by `pipelines.executables`, keyed by its settings, and read back untraced."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +16,7 @@ from flax import nnx
 from pipelines import executables
 from pipelines.family import Family
 from sdx import mesh as meshlib
-from sdx import schedulers, unet as U, weights as W
+from sdx import lora, schedulers, unet as U, weights as W
 from sdx.vae import VAEConfig
 from train import denoise, objective
 from train import ema as emalib
@@ -69,75 +71,133 @@ def _nchw(x) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.asarray(x).transpose(0, 3, 1, 2)))
 
 
-@pytest.mark.parametrize("case", [
+CASES = [
     dict(pix2pix=False, prediction_type="epsilon", snr_gamma=None, noise_offset=0.0, input_perturbation=0.0, p=0.0),
     dict(pix2pix=False, prediction_type="v_prediction", snr_gamma=5.0, noise_offset=0.1, input_perturbation=0.1, p=0.5),
     dict(pix2pix=True, prediction_type="epsilon", snr_gamma=5.0, noise_offset=0.0, input_perturbation=0.0, p=0.2),
-])
-def test_loss_and_gradients_match_diffusers(case):
-    """Same draws on both sides (taken from sdx's per-sample keys): loss and gradients of conv_in and an
-    attention projection equal diffusers' in float32."""
-    pix2pix = case["pix2pix"]
-    ref, model = _models(8 if pix2pix else 4)
-    fam = Family(xl=True, pix2pix=pix2pix, aesthetic=False, encoders=("text_encoder", "text_encoder_2"), force_zeros=True)
-    sched_cfg = {**SCHED, "prediction_type": case["prediction_type"]}
-    sched = schedulers.from_name("ddpm", sched_cfg)
-    cfg = denoise.DenoiseConfig(
+]
+
+
+def _loss_config(case) -> denoise.DenoiseConfig:
+    fam = Family(xl=True, pix2pix=case["pix2pix"], aesthetic=False, encoders=("text_encoder", "text_encoder_2"),
+                 force_zeros=True)
+    sched = schedulers.from_name("ddpm", {**SCHED, "prediction_type": case["prediction_type"]})
+    return denoise.DenoiseConfig(
         family=fam, scheduler=sched, vae=VAE, prediction_type=case["prediction_type"], snr_gamma=case["snr_gamma"],
         noise_offset=case["noise_offset"], input_perturbation=case["input_perturbation"],
         text_drop=case["p"], conditioning_dropout=case["p"],
     )
-    batch = _batch(6, pix2pix)
-    graphdef, params = nnx.split(model)
-    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
-    fn = denoise.loss_fn(graphdef, cfg)
-    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys,
-                                                                     jax.tree.map(jnp.asarray, NULL))
 
-    # the draws, from the same keys
+
+def _reference_loss(ref, case, batch, keys) -> torch.Tensor:
+    """diffusers' training loss of `ref` (train_text_to_image.py / train_instruct_pix2pix.py) for `batch`, with
+    the draws sdx's loss takes from `keys` (latent sample, noise, timesteps, dropout)."""
+    cfg = _loss_config(case)
     latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
     noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
     t = objective.timesteps(keys, 1000)
-    if pix2pix:
+    if case["pix2pix"]:
         drop_text, drop_image = objective.conditioning_dropout(keys, case["p"])
     else:
         drop_text, drop_image = objective.empty_prompt(keys, case["p"]), None
-    assert 0 < int(drop_text.sum()) < 6 or case["p"] == 0  # the case exercises both branches
+    assert 0 < int(drop_text.sum()) < len(t) or case["p"] == 0  # the case exercises both branches
 
-    ts = diffusers.DDPMScheduler(**sched_cfg)
+    ts = diffusers.DDPMScheduler(**SCHED, prediction_type=case["prediction_type"])
     tt = torch.from_numpy(np.array(t)).long()
     x0, eps = _nchw(latents), _nchw(noise)
     noisy = ts.add_noise(x0, _nchw(noise_in), tt)
-    dt = torch.from_numpy(np.asarray(drop_text))
+    dt = torch.from_numpy(np.array(drop_text))
     ctx = torch.where(dt[:, None, None], torch.from_numpy(NULL["context"]), torch.from_numpy(batch["context"]))
     pooled = torch.where(dt[:, None], torch.from_numpy(NULL["pooled"]), torch.from_numpy(batch["pooled"]))
-    if pix2pix:
-        keep = 1.0 - torch.from_numpy(np.asarray(drop_image)).float()
+    if case["pix2pix"]:
+        keep = 1.0 - torch.from_numpy(np.array(drop_image)).float()
         noisy = torch.cat([noisy, _nchw(batch["image_latents"]) * keep[:, None, None, None]], dim=1)
     pred = ref(noisy, tt, ctx, added_cond_kwargs={"text_embeds": pooled, "time_ids": torch.from_numpy(batch["time_ids"])}).sample
     target = eps if case["prediction_type"] == "epsilon" else ts.get_velocity(x0, eps, tt)
     if case["snr_gamma"] is None:
-        ref_loss = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="mean")
-    else:  # diffusers' train_text_to_image.py
-        from diffusers.training_utils import compute_snr
+        return torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="mean")
+    from diffusers.training_utils import compute_snr  # as diffusers' train_text_to_image.py
 
-        snr = compute_snr(ts, tt)
-        w = torch.stack([snr, 5.0 * torch.ones_like(tt)], dim=1).min(dim=1)[0]
-        w = w / snr if case["prediction_type"] == "epsilon" else w / (snr + 1)
-        per = torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=[1, 2, 3]) * w
-        ref_loss = per.mean()
+    snr = compute_snr(ts, tt)
+    w = torch.stack([snr, 5.0 * torch.ones_like(tt)], dim=1).min(dim=1)[0]
+    w = w / snr if case["prediction_type"] == "epsilon" else w / (snr + 1)
+    return (torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=[1, 2, 3]) * w).mean()
+
+
+def _relative_error(ours, theirs: torch.Tensor) -> float:
+    theirs = theirs.numpy()
+    return float(np.abs(np.asarray(ours) - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_loss_and_gradients_match_diffusers(case):
+    """Same draws on both sides (taken from sdx's per-sample keys): loss and gradients of conv_in and an
+    attention projection equal diffusers' in float32."""
+    ref, model = _models(8 if case["pix2pix"] else 4)
+    batch = _batch(6, case["pix2pix"])
+    graphdef, params = nnx.split(model)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    fn = denoise.loss_fn(graphdef, _loss_config(case))
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys,
+                                                                     jax.tree.map(jnp.asarray, NULL))
+    ref_loss = _reference_loss(ref, case, batch, keys)
     ref_loss.backward()
 
     print("loss", float(loss), ref_loss.item())
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=2e-5)
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=2e-5)
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
     g_conv = np.asarray(flat["conv_in.kernel"]).transpose(3, 2, 0, 1)  # HWIO -> OIHW
     g_q = np.asarray(flat["down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_q.kernel"]).T  # (in, out) -> (out, in)
     for ours, theirs in ((g_conv, ref.conv_in.weight.grad), (g_q, ref.down_blocks[1].attentions[0].transformer_blocks[0].attn2.to_q.weight.grad)):
-        theirs = theirs.numpy()
-        err = np.abs(ours - theirs).max() / np.abs(theirs).max()
+        err = _relative_error(ours, theirs)
         print("relative gradient error", err)
         assert err < 1e-4
+
+
+def test_lora_loss_and_gradients_match_peft():
+    """LoRA of rank 4 and alpha 8 (scale 2): diffusers' UNet with peft's adapters as train_text_to_image_lora.py
+    adds them (LoraConfig on to_q, to_k, to_v, to_out.0) against sdx's (`sdx.lora`, trained as train/loop.py
+    does: the adapters the parameters, the UNet in the constants, `step.with_base`), the same weights (lora_B
+    random, not peft's zeros, so that every adapter has a gradient; sdx's blocks rematerialised): the same
+    adapted layers, the same loss, and the gradient of every adapter equal in float32."""
+    from peft import LoraConfig
+
+    case = CASES[1]
+    ref, model = _models(4)
+    ref.requires_grad_(False)
+    ref.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=list(lora.TARGETS)))
+    count = lora.attach(model, 4, 8.0, jax.random.key(5))
+    assert count == sum(1 for m in ref.modules() if hasattr(m, "lora_A")) > 0
+    adapters, g = nnx.state(model, lora.LoRAParam), torch.Generator().manual_seed(7)
+    theirs = {}
+    for path, _ in nnx.to_flat_state(adapters):
+        if path[-1] != "up":
+            continue
+        layer = ref.get_submodule(".".join(map(str, path[:-2])))
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        with torch.no_grad():
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
+        theirs[path[:-1] + ("down",)], theirs[path] = a, b
+    nnx.update(model, nnx.from_flat_state([(p, jnp.asarray(w.detach().numpy().T)) for p, w in theirs.items()]))
+    assert all(w.requires_grad for w in theirs.values())
+
+    batch = _batch(6, False)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    model.remat = True  # --gradient_checkpointing: blocks rematerialised around adapters and constants alike
+    graphdef, params, base = nnx.split(model, lora.LoRAParam, ...)
+    fn = functools.partial(steplib.with_base, denoise.loss_fn(graphdef, _loss_config(case)))
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
+        params, jax.tree.map(jnp.asarray, batch), keys, {"task": jax.tree.map(jnp.asarray, NULL), "base": base})
+    ref_loss = _reference_loss(ref, case, batch, keys)
+    ref_loss.backward()
+
+    print("loss", float(loss), ref_loss.item())
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=2e-5)
+    errors = {path: _relative_error(np.asarray(ours).T, theirs[path].grad) for path, ours in
+              ((p, v.get_value()) for p, v in nnx.to_flat_state(grads))}
+    assert errors.keys() == theirs.keys()
+    print("largest relative gradient error", max(errors.values()))
+    assert max(errors.values()) < 1e-4, errors
 
 
 def _step(model, batch, accumulation):

@@ -11,6 +11,8 @@ naming it, never silently ignored. Differences, on purpose:
 - `--lr_warmup_steps` and `--max_train_steps` count optimizer steps; diffusers multiplies the scheduler's
   warm-up and length by the number of processes, sdx does not.
 - `--seed` defaults to 0 (diffusers: unseeded), so a run is reproducible unless asked otherwise.
+- LoRA is text-to-image with `--rank` (`python -m train.text_to_image_lora` defaults it to 4, as
+  train_text_to_image_lora.py); `--lora_alpha` (default: the rank, diffusers' choice) is sdx's own.
 - `--mixed_precision bf16`: bfloat16 compute with float32 master weights. `fp16` (what diffusers'
   documented commands use) runs as bf16, with a one-line note: what the flag asks for is 16-bit compute
   with float32 master weights, and bfloat16 gives that without the loss scaling float16's narrow range
@@ -59,6 +61,7 @@ UNSUPPORTED = {
     "vae_precision": "the VAE runs in float32",
     "crops_coords_top_left_h": "SDXL crop conditioning is the crop actually applied to each image",
     "crops_coords_top_left_w": "SDXL crop conditioning is the crop actually applied to each image",
+    "train_text_encoder": "the text encoders stay frozen (LoRA adapters go on the UNet only)",
 }
 
 # diffusers flags (store_true) that change nothing sdx computes: accepted, ignored with a note.
@@ -119,6 +122,9 @@ class TrainConfig:
     mixed_precision: str = "no"
     attention: str | None = None  # None: `sdx.attention.default_backend` of the compute dtype
     fsdp: int = 1
+    # LoRA (text-to-image): adapters of this rank on the UNet's attention projections instead of the whole UNet
+    rank: int | None = None
+    lora_alpha: float | None = None  # None: the rank (scale 1, as diffusers' LoRA scripts)
     # objective
     prediction_type: str | None = None
     snr_gamma: float | None = None
@@ -163,6 +169,8 @@ _DEFAULTS = {
     "text_to_image": {"resolution": 512, "output_dir": "sd-model-finetuned"},
     "vae": {"resolution": 256, "output_dir": "vae-finetuned", "learning_rate": 4.5e-6},
 }
+# `python -m train.text_to_image_lora`'s defaults over text_to_image's (diffusers' train_text_to_image_lora.py)
+_LORA_DEFAULTS = {"rank": 4, "output_dir": "sd-model-finetuned-lora"}
 
 
 
@@ -176,10 +184,12 @@ def _bool(p, name: str, help: str) -> None:
     _flag(p, name, action="store_true", help=help)
 
 
-def parser(task: str) -> argparse.ArgumentParser:
-    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task]
-    p = ArgumentParser(prog=f"python -m train.{task}", allow_abbrev=False,
-                description=f"Fine-tune with sdx ({task}); flags as diffusers' training scripts.")
+def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
+    """lora: `python -m train.text_to_image_lora` (text_to_image with `--rank` 4 by default)."""
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task] | (_LORA_DEFAULTS if lora else {})
+    name = f"{task}_lora" if lora else task
+    p = ArgumentParser(prog=f"python -m train.{name}", allow_abbrev=False,
+                description=f"Fine-tune with sdx ({name}); flags as diffusers' training scripts.")
     opt = lambda name, help, **kw: _flag(p, name, default=d[name], help=help, **kw)
 
     model_help = "what `python -m sdx.sample --model` takes: sdx folder, diffusers folder, single file or hub id"
@@ -233,6 +243,12 @@ def parser(task: str) -> argparse.ArgumentParser:
     opt("attention", "attention backend (default: the sampler's: chunked on a CPU, cudnn in bf16 on an NVIDIA GPU "
         "with flash attention, xla elsewhere)", choices=BACKENDS)
     opt("fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)", type=int)
+    if task == "text_to_image":
+        opt("rank", "LoRA: train adapters of this rank on the UNet's attention projections (to_q, to_k, to_v, "
+            "to_out.0) and write them as pytorch_lora_weights.safetensors" + ("" if lora else " (default: the whole UNet)"),
+            type=int)
+        opt("lora_alpha", "LoRA: the adapters' alpha; they add alpha / rank x their product (default: the rank)",
+            type=float)
 
     if task != "vae":
         opt("prediction_type", "training target (default: the model's scheduler config)", choices=PREDICTION_TYPES)
@@ -283,12 +299,12 @@ def _flag_with_alias(p, name: str, alias: str, **kw) -> None:
     p.add_argument(*dict.fromkeys(spellings), dest=name, **kw)
 
 
-def parse(task: str, argv: list[str] | None = None) -> TrainConfig:
-    """The run `argv` describes, checked; bad input exits 2 with one `error:` line."""
-    if task not in TASKS:
+def parse(task: str, argv: list[str] | None = None, lora: bool = False) -> TrainConfig:
+    """The run `argv` describes, checked; bad input exits 2 with one `error:` line. lora: see `parser`."""
+    if task not in TASKS or (lora and task != "text_to_image"):
         raise ValueError(task)
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = parser(task)
+    p = parser(task, lora)
     kept = []
     for arg in argv:
         name = arg.lstrip("-").split("=", 1)[0].replace("-", "_")
@@ -365,5 +381,15 @@ def check(c: TrainConfig) -> None:
         raise SdxError(f"--proportion_empty_prompts must be in [0, 1], got {c.proportion_empty_prompts}")
     if c.mixed_precision not in ("no", "bf16"):
         raise SdxError(f"--mixed_precision {c.mixed_precision}: use no or bf16")
+    if c.rank is not None or c.lora_alpha is not None:
+        if c.task != "text_to_image":
+            raise SdxError(f"LoRA (--rank, --lora_alpha) trains text-to-image models only, not {c.task}")
+        if c.rank is None or c.rank < 1:
+            raise SdxError(f"--rank must be at least 1, got {c.rank}")
+        if c.lora_alpha is not None and c.lora_alpha <= 0:
+            raise SdxError(f"--lora_alpha must be positive, got {c.lora_alpha}")
+        if c.export_format != "sdx":
+            raise SdxError(f"--export_format {c.export_format}: a LoRA run writes diffusers' "
+                           "pytorch_lora_weights.safetensors, which diffusers and sdx both read; drop the flag")
     if c.task == "pix2pix" and c.validation_prompt and not c.val_image_url_or_path:
         raise SdxError("--validation_prompt needs --val_image_url_or_path (the image to edit) for pix2pix")

@@ -8,6 +8,11 @@ image and both). The null text conditioning is the one the pipeline uses at infe
 
 SDXL's time ids per sample: the image's original (height, width) before resizing, the (top, left) of
 the crop actually applied (after the flip), and the target (resolution, resolution).
+
+LoRA (`--rank`, `python -m train.text_to_image_lora`): adapters (`sdx.lora`) on the UNet's attention
+projections train, drawn from `--seed`; the UNet's own weights stay frozen in the step's constants. Each
+validation samples the UNet with the adapters fused into it, as the sampler's `--lora` does, and the run
+writes the adapters alone, `pytorch_lora_weights.safetensors` in diffusers' layout, into --output_dir.
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from pipelines.pipeline import NonFiniteImages, Pipeline, _trained_size
 from pipelines.sampler import Sampler
 from pipelines.request import Request
 from sdx import mesh as meshlib
-from sdx import model_folder, schedulers
+from sdx import lora, model_folder, schedulers
 from sdx.errors import SdxError
 from convert.library import identity
 from train import cache as cachelib
 from train import data, denoise, export, models, sources
 from train.config import TrainConfig
+
+
+LORA_STREAM = 0x4C6F5241  # the adapters' initial draw: fold_in(key(--seed), this), apart from the steps' keys
 
 
 def tokenizer_fn(family, tokenizers):
@@ -48,6 +56,13 @@ class DiffusionTask:
         self.folder = models.resolve_folder(cfg, log)
         m = self.models = models.load(cfg, mesh, folder=self.folder, log=log, restoring=restoring)
         self.module = m.unet
+        self.trainable = nnx.Param
+        if cfg.rank:
+            self.trainable = lora.LoRAParam
+            key = jax.random.fold_in(jax.random.key(cfg.seed), LORA_STREAM)
+            count = lora.attach(m.unet, cfg.rank, cfg.lora_alpha or cfg.rank, key, sharding=meshlib.replicated(mesh))
+            size = sum(x.size for x in jax.tree.leaves(nnx.state(m.unet, lora.LoRAParam)))
+            log(f"unet: LoRA adapters of rank {cfg.rank} on {count} attention projections ({size:,} parameters)")
         fam = m.family
         sched = schedulers.from_name("ddpm", m.scheduler_config)
         prediction_type = cfg.prediction_type or sched.prediction_type
@@ -129,6 +144,8 @@ class DiffusionTask:
 
     def validate(self, unet: nnx.Module, step: int, metrics) -> None:
         cfg, m = self.cfg, self.models
+        if cfg.rank:
+            unet = lora.fused(unet)
         factor = m.vae.config.downsample_factor
         if self._validation is None:
             self._validation = Sampler({"unet": unet, "vae": m.vae, **m.encoders}, self.mesh)
@@ -153,6 +170,11 @@ class DiffusionTask:
 
     def export(self, unet: nnx.Module, out: Path) -> None:
         m = self.models
+        if self.cfg.rank:
+            arrays = lora.state_dict(unet)  # every process: an adapter could be split over hosts
+            if jax.process_index() == 0:
+                export.write_lora(out, arrays, base=self.cfg.pretrained_model_name_or_path, log=self.log)
+            return
         entry = m.spec["components"]["unet"]
         part = model_folder.ModelPart(cls=entry["class"], config=unet.config,
                                       arrays=model_folder.module_arrays(unet), source_config=m.unet_source_config)

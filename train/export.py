@@ -1,4 +1,5 @@
-"""Writing the trained model: an sdx folder in --output_dir itself, optionally a diffusers folder too.
+"""Writing the trained model: an sdx folder in --output_dir itself, optionally a diffusers folder too; or,
+for a LoRA run, the adapters alone (`write_lora`).
 
 `python -m sdx.sample --model OUTPUT_DIR` loads the result. The output folder also holds checkpoints,
 logs and validation images, so the model is built complete in a temporary folder beside it and its
@@ -17,7 +18,9 @@ from pathlib import Path
 
 
 from convert import library as convert_lib
-from sdx import model_folder
+from sdx import io, model_folder
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights and load_lora_weights use
 
 
 def write_model(
@@ -62,3 +65,10 @@ def write_model(
         log(f"diffusers folder written to {out / 'diffusers'}")
     return out
 
+
+def write_lora(out: Path, arrays: Mapping, *, base: str, log=print) -> Path:
+    """Write a LoRA's `sdx.lora.state_dict` as `out`/pytorch_lora_weights.safetensors (atomically)."""
+    path = out / LORA_FILE
+    io.write_safetensors(path, arrays, metadata={"format": "pt"})
+    log(f"LoRA written to {path} (python -m sdx.sample --model {base} --lora {path})")
+    return path

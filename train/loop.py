@@ -12,13 +12,15 @@ encoders), the loss, validation and what is exported. Everything here is the sam
    state (trainable parameters, optimizer, EMA, step) and the data iterator's position are saved;
    `--resume_from_checkpoint latest` continues exactly (every random draw derives from the seed, the
    step and the sample index);
-4. the final model (EMA weights when EMA is on) is written into --output_dir as an sdx folder.
+4. the final model (EMA weights when EMA is on) is written into --output_dir as an sdx folder (a LoRA
+   run writes its adapters alone).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -43,9 +45,11 @@ from train.metrics import Metrics
 class Task(Protocol):
     """What one kind of training adds to the loop (see train/diffusion.py, train/vae.py). A task may also
     have `prepare_data(source, output_dir) -> dict`, extra keyword arguments of `data.make_loader` (the
-    latent cache's, train/cache.py), and `frozen(params) -> tree of bools or None`, the parameters of
+    latent cache's, train/cache.py), `frozen(params) -> tree of bools or None`, the parameters of
     `module` that the optimizer leaves alone (`optimizer.FrozenExcept`; the VAE's encoder under
-    --decoder_only)."""
+    --decoder_only), and `trainable`, an nnx filter of the variables of `module` that train (default every
+    nnx.Param; a LoRA run's adapters): the others are the step's constants (`step.with_base`), in no
+    optimizer state, EMA or checkpoint."""
 
     module: nnx.Module  # the trainable model, placed on the mesh (when restoring, abstract: the checkpoint fills it)
     constants: dict[str, jax.Array]  # arrays the loss reads besides the batch, fixed for the run
@@ -126,7 +130,10 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
 
     task = make_task(cfg, mesh, metrics_log, restoring=resume is not None)
     out.mkdir(parents=True, exist_ok=True)
-    graphdef, params = nnx.split(task.module, nnx.Param)
+    graphdef, params, base = nnx.split(task.module, getattr(task, "trainable", nnx.Param), ...)
+    loss_fn, constants = task.loss_fn(graphdef), task.constants
+    if jax.tree.leaves(base):  # trained in part
+        loss_fn, constants = functools.partial(steplib.with_base, loss_fn), {"task": constants, "base": base}
     tx, lr_schedule = make_optimizer(cfg, sched.total)
     frozen = task.frozen(params) if hasattr(task, "frozen") else None
     if frozen is not None:
@@ -151,8 +158,8 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     it = iter(loader)
     first = next(it)
     compiled = steplib.compile_step(
-        state, meshlib.global_batch_shapes(task.batch_shapes(first)), seed_key, mesh, constants=task.constants,
-        loss_fn=task.loss_fn(graphdef), tx=tx, accumulation=cfg.gradient_accumulation_steps, ema=ema,
+        state, meshlib.global_batch_shapes(task.batch_shapes(first)), seed_key, mesh, constants=constants,
+        loss_fn=loss_fn, tx=tx, accumulation=cfg.gradient_accumulation_steps, ema=ema,
         learning_rate=lr_schedule,
     )
     tb = (out / cfg.logging_dir) if cfg.report_to == "tensorboard" else None
@@ -179,7 +186,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
                 if step % cfg.checkpointing_steps == 0 or step == sched.total:
                     save(step)
                 if (cfg.validation_prompt or cfg.task == "vae") and validation_due(cfg, step, sched):
-                    task.validate(module_for_export(graphdef, state), step, metrics)
+                    task.validate(module_for_export(graphdef, state, base), step, metrics)
                 if step < sched.total and stop.requested_anywhere():
                     save(step, force=True)
                     stopped = True
@@ -198,7 +205,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
         return 0
     if loader.skipped:
         metrics.message(f"{loader.skipped} unreadable samples were skipped")
-    task.export(module_for_export(graphdef, state), out)
+    task.export(module_for_export(graphdef, state, base), out)
     metrics.close()
     ckpts.close()
     return 0
@@ -210,9 +217,9 @@ def _flat(state: steplib.TrainState) -> dict[str, jax.Array]:
     return {f"{i:05d}": leaf for i, leaf in enumerate(jax.tree.leaves(state))}
 
 
-def module_for_export(graphdef, state: steplib.TrainState) -> nnx.Module:
-    """The trained module with the EMA weights when EMA is on."""
-    return nnx.merge(graphdef, state.ema if state.ema is not None else state.params)
+def module_for_export(graphdef, state: steplib.TrainState, base) -> nnx.Module:
+    """The trained module, with the EMA weights when EMA is on, and its untrained variables `base`."""
+    return nnx.merge(graphdef, state.ema if state.ema is not None else state.params, base)
 
 
 def compilation_cache() -> None:

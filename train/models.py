@@ -66,13 +66,16 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
 
 def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
     """How each model runs on `mesh` (whose devices split the batch): the UNet trains in the compute dtype
-    with float32 master weights; without `--attention`, each model takes the sampler's backend for its
-    dtype (`chunked` on a CPU: benchmarks/README.md, a training step 0.73× the time of `xla`'s)."""
+    with float32 master weights (under LoRA, `--rank`, its frozen weights are kept in the compute dtype, as
+    diffusers' LoRA scripts keep them, and only the adapters are float32); without `--attention`, each model
+    takes the sampler's backend for its dtype (`chunked` on a CPU: benchmarks/README.md, a training step
+    0.73× the time of `xla`'s)."""
     dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
     shards = mesh.devices.size if mesh is not None else 1
     run = lambda d: dict(attention=cfg.attention or attention.default_backend(d), batch_shards=shards)
     return {
-        "unet": Compute(dtype=dtype, param_dtype=jnp.float32, remat=cfg.gradient_checkpointing, **run(dtype)),
+        "unet": Compute(dtype=dtype, param_dtype=dtype if cfg.rank else jnp.float32, remat=cfg.gradient_checkpointing,
+                        **run(dtype)),
         "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, **run(jnp.float32)),
         "text": Compute(dtype=dtype, param_dtype=dtype, **run(dtype)),
     }
@@ -80,7 +83,8 @@ def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
 
 def load(cfg: TrainConfig, mesh, *, folder: Path, log=print, restoring: bool = False) -> Models:
     """restoring: a resumed run's UNet, whose weights come from the checkpoint: built abstract (its shapes,
-    dtypes and shardings), its weights neither read nor placed (SDXL's are 10 GB in float32)."""
+    dtypes and shardings), its weights neither read nor placed (SDXL's are 10 GB in float32). A LoRA run's
+    UNet is read either way: its checkpoint holds the adapters alone."""
     spec = model_folder.read_spec(folder)
     source = family_of(spec["pipeline_class"], set(spec["components"]), spec["extra"])
     if source.aesthetic:
@@ -91,6 +95,7 @@ def load(cfg: TrainConfig, mesh, *, folder: Path, log=print, restoring: bool = F
     if cfg.task == "text_to_image" and source.pix2pix:
         raise SdxError(f"{cfg.pretrained_model_name_or_path} is an InstructPix2Pix model; use python -m train.pix2pix")
     pix2pix = cfg.task == "pix2pix"
+    restoring = restoring and not cfg.rank
     pipeline_class = PIX2PIX_CLASS[source.xl] if pix2pix else spec["pipeline_class"]
     family = family_of(pipeline_class, set(spec["components"]), spec["extra"])
     cp = computes(cfg, mesh)

@@ -24,7 +24,12 @@ plain optax transformation) is compiled as usual, JAX's own cache still applying
 
 Sharding: the state keeps the shardings it was placed with (parameters, gradients, optimizer state and
 EMA over `fsdp`, see `sdx.mesh.param_sharding`), the batch is split over every device, and the state's
-buffers are donated to the step.
+buffers are donated to the step. Constants already placed on the mesh keep their shardings (a LoRA run's
+frozen UNet, split over `fsdp` as the parameters would be); the others are replicated.
+
+A module trained in part (LoRA: its adapters) has its other parameters in the constants, under "base",
+and `with_base` as its loss: only the trained part is in the state, its gradients, the optimizer's moments,
+the EMA and the checkpoints.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 
 from pipelines import cpu_kernels, executables
 from sdx import mesh as meshlib
@@ -140,6 +146,13 @@ def _accumulated(grad_fn, params, micro, constants):
     return jax.tree.map(lambda s: s / count, sums)
 
 
+def with_base(loss_fn: LossFn, params, batch, keys, constants):
+    """`loss_fn` of a module trained in part: `params` (the trained parameters, an nnx.State) merged with
+    constants["base"] (the rest of the module's), and constants["task"] as `loss_fn`'s own constants.
+    Bind `loss_fn` with functools.partial."""
+    return loss_fn(nnx.merge_state(params, constants["base"]), batch, keys, constants["task"])
+
+
 def train_step(
     state: TrainState,
     batch: Mapping[str, jax.Array],
@@ -172,16 +185,26 @@ def train_step(
 def step_program(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], seed_key: jax.Array, mesh,
                  constants=None, **kw) -> tuple[functools.partial, tuple, dict]:
     """What `compile_step` compiles, as (function, arguments, jit options): `pipelines.executables` keys the
-    program by them and by the compiler options `compile_step` adds on a CPU. `constants` come back placed,
-    replicated over `mesh`."""
+    program by them and by the compiler options `compile_step` adds on a CPU. `constants` come back placed
+    on `mesh` (`_placed_constants`)."""
     replicated = meshlib.replicated(mesh)
-    constants = jax.jit(lambda c: c, out_shardings=replicated)({} if constants is None else constants)  # one host or many
+    constants = _placed_constants({} if constants is None else constants, mesh)
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     batch_shardings = {k: meshlib.batch_sharding(mesh, len(v.shape)) for k, v in batch_shapes.items()}
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=batch_shardings[k]) for k, v in batch_shapes.items()}
-    options = dict(in_shardings=(state_shardings, batch_shardings, replicated, jax.tree.map(lambda _: replicated, constants)),
+    options = dict(in_shardings=(state_shardings, batch_shardings, replicated, jax.tree.map(lambda x: x.sharding, constants)),
                    out_shardings=(state_shardings, replicated), donate_argnums=(0,))
     return functools.partial(train_step, **kw), (state, shapes, seed_key, constants), options
+
+
+def _placed_constants(constants, mesh):
+    """`constants` with each leaf not yet placed on `mesh` replicated over it (one host or many); a leaf
+    placed there already (a NamedSharding over `mesh`) stays as it is, not copied."""
+    on_mesh = lambda x: isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding) \
+        and x.sharding.mesh == mesh
+    leaves, tree = jax.tree.flatten(constants)
+    moved = iter(jax.jit(lambda xs: xs, out_shardings=meshlib.replicated(mesh))([x for x in leaves if not on_mesh(x)]))
+    return jax.tree.unflatten(tree, [x if on_mesh(x) else next(moved) for x in leaves])
 
 
 def compile_step(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStruct], seed_key: jax.Array, mesh,
