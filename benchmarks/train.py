@@ -13,7 +13,7 @@ shapes, random weights; `--dtype bfloat16` is sdx's `--mixed_precision bf16` and
 bfloat16 (float32 master weights both), `--remat` sdx's rematerialised blocks and diffusers'
 `enable_gradient_checkpointing()`. `--lora RANK` trains adapters of that rank instead (alpha = rank) and
 leaves the UNet frozen, in the compute dtype: sdx's `python -m train.text_to_image_lora` step (`sdx.lora`,
-`train.step.with_base`) against train_text_to_image_lora.py's (peft's LoraConfig on to_q, to_k, to_v,
+`train.step.trained_in_part`) against train_text_to_image_lora.py's (peft's LoraConfig on to_q, to_k, to_v,
 to_out.0; the UNet cast to the compute dtype, AdamW and clipping over the adapters).
 
 Each framework runs in a subprocess of its own (so its peak memory is its own): `--warmup` steps (for
@@ -29,7 +29,6 @@ takes ~60x longer (measured), which says nothing about either framework.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -138,15 +137,10 @@ def run_sdx(args) -> dict:
                                      vae=VAEConfig(scaling_factor=0.18215), prediction_type="epsilon")
     host = batch_arrays(args, raw)
     null = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in host.items() if k in ("context", "pooled")}
-    constants = null
     if args.lora:
         lora.attach(model, args.lora, float(args.lora), jax.random.key(0), sharding=meshlib.replicated(mesh))
-        graphdef, params, base = nnx.split(model, lora.LoRAParam, ...)
-        loss_fn = functools.partial(steplib.with_base, denoise.loss_fn(graphdef, loss_cfg))
-        constants = {"task": null, "base": base}
-    else:
-        graphdef, params = nnx.split(model, nnx.Param)
-        loss_fn = denoise.loss_fn(graphdef, loss_cfg)
+    graphdef, params, base = nnx.split(model, lora.LoRAParam if args.lora else nnx.Param, ...)
+    loss_fn, constants = steplib.trained_in_part(denoise.loss_fn(graphdef, loss_cfg), null, base)
     tx = optimizer.AdamW(1e-4, max_grad_norm=1.0)
     state = steplib.init_state(params, tx, use_ema=False)
     host["index"] = np.arange(args.batch)

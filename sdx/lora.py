@@ -91,7 +91,7 @@ def fused(model: nnx.Module) -> nnx.Module:
 def state_dict(model: nnx.Module, prefix: str = "unet") -> dict[str, np.ndarray]:
     """{`prefix`.<module>.lora_A.weight: (rank, in), .lora_B.weight: (out, rank)} of every adapter of
     `model`, float32 on the host, lora_B scaled by the adapter's scale (a reader's W + B·A is then the
-    trained layer's kernel). In a multi-host job every process must call it."""
+    trained layer's kernel). Each adapter must be readable from this process (`sdx.mesh.to_host`)."""
     out = {}
     for name, layer in _adapters(model):
         lora = layer.lora

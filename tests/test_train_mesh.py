@@ -16,7 +16,6 @@ the first of its devices) and saves them for the comparisons here.
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 import textwrap
@@ -57,7 +56,7 @@ def run_steps(mesh, fsdp_min_size: int, steps: int = 2, lora: bool = False) -> d
     parameters placed by `sdx.mesh.param_sharding(mesh, fsdp_min_size)`. Returns the losses, grad norms,
     and every leaf of the final state (params, optimizer state, EMA) as numpy, plus how many leaves
     of the state are split over fsdp. lora: LoRA adapters (rank 2, replicated) train, as train/loop.py
-    trains them: the UNet's parameters the step's constants (`step.with_base`), of which `split` then counts
+    trains them: the UNet's parameters the step's constants (`step.trained_in_part`), of which `split` then counts
     the leaves split over fsdp."""
     import jax
     import jax.numpy as jnp
@@ -84,9 +83,7 @@ def run_steps(mesh, fsdp_min_size: int, steps: int = 2, lora: bool = False) -> d
         ups = nnx.state(model, nnx.PathContains("up"))
         draw = lambda x: jax.device_put(jax.random.normal(jax.random.key(2), x.shape) * 0.1, x.sharding)
         nnx.update(model, jax.tree.map(draw, ups))
-        graphdef, params, base = nnx.split(model, loralib.LoRAParam, ...)
-    else:
-        graphdef, params = nnx.split(model, nnx.Param)
+    graphdef, params, base = nnx.split(model, loralib.LoRAParam if lora else nnx.Param, ...)
     fam = Family(xl=True, pix2pix=True, aesthetic=False, encoders=("text_encoder", "text_encoder_2"), force_zeros=True)
     cfg = denoise.DenoiseConfig(family=fam, scheduler=schedulers.from_name("ddpm", SCHED),
                                 vae=VAEConfig(scaling_factor=0.13025, latent_channels=4), prediction_type="epsilon",
@@ -97,9 +94,7 @@ def run_steps(mesh, fsdp_min_size: int, steps: int = 2, lora: bool = False) -> d
     state = steplib.init_state(params, tx, use_ema=True)
     shapes = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in _batch(0).items()}
     seed = jax.random.key(7)
-    loss_fn, constants = denoise.loss_fn(graphdef, cfg), null
-    if lora:
-        loss_fn, constants = functools.partial(steplib.with_base, loss_fn), {"task": null, "base": base}
+    loss_fn, constants = steplib.trained_in_part(denoise.loss_fn(graphdef, cfg), null, base)
     fn = steplib.compile_step(state, shapes, seed, mesh, constants=constants, loss_fn=loss_fn, tx=tx,
                               accumulation=2, ema=ema.EMAConfig(decay=0.9), learning_rate=lambda s: 1e-3)
     losses, norms = [], []

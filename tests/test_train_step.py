@@ -4,8 +4,6 @@ loop's step is kept by `pipelines.executables`, keyed by its settings, and read 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,7 +155,7 @@ def test_loss_and_gradients_match_diffusers(case):
 def test_lora_loss_and_gradients_match_peft():
     """LoRA of rank 4 and alpha 8 (scale 2): diffusers' UNet with peft's adapters as train_text_to_image_lora.py
     adds them (LoraConfig on to_q, to_k, to_v, to_out.0) against sdx's (`sdx.lora`, trained as train/loop.py
-    does: the adapters the parameters, the UNet in the constants, `step.with_base`), the same weights (lora_B
+    does: the adapters the parameters, the UNet in the constants, `step.trained_in_part`), the same weights (lora_B
     random, not peft's zeros, so that every adapter has a gradient; sdx's blocks rematerialised): the same
     adapted layers, the same loss, and the gradient of every adapter equal in float32."""
     from peft import LoraConfig
@@ -185,9 +183,10 @@ def test_lora_loss_and_gradients_match_peft():
     keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
     model.remat = True  # --gradient_checkpointing: blocks rematerialised around adapters and constants alike
     graphdef, params, base = nnx.split(model, lora.LoRAParam, ...)
-    fn = functools.partial(steplib.with_base, denoise.loss_fn(graphdef, _loss_config(case)))
-    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(
-        params, jax.tree.map(jnp.asarray, batch), keys, {"task": jax.tree.map(jnp.asarray, NULL), "base": base})
+    fn, constants = steplib.trained_in_part(denoise.loss_fn(graphdef, _loss_config(case)),
+                                            jax.tree.map(jnp.asarray, NULL), base)
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys,
+                                                                     constants)
     ref_loss = _reference_loss(ref, case, batch, keys)
     ref_loss.backward()
 

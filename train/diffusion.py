@@ -170,10 +170,10 @@ class DiffusionTask:
 
     def export(self, unet: nnx.Module, out: Path) -> None:
         m = self.models
-        if self.cfg.rank:
-            arrays = lora.state_dict(unet)  # every process: an adapter could be split over hosts
+        if self.cfg.rank:  # the adapters are replicated: process 0 reads them alone
             if jax.process_index() == 0:
-                export.write_lora(out, arrays, base=self.cfg.pretrained_model_name_or_path, log=self.log)
+                export.write_lora(out, lora.state_dict(unet), base=self.cfg.pretrained_model_name_or_path,
+                                  log=self.log)
             return
         entry = m.spec["components"]["unet"]
         part = model_folder.ModelPart(cls=entry["class"], config=unet.config,

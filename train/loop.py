@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import sys
 import time
@@ -48,7 +47,7 @@ class Task(Protocol):
     latent cache's, train/cache.py), `frozen(params) -> tree of bools or None`, the parameters of
     `module` that the optimizer leaves alone (`optimizer.FrozenExcept`; the VAE's encoder under
     --decoder_only), and `trainable`, an nnx filter of the variables of `module` that train (default every
-    nnx.Param; a LoRA run's adapters): the others are the step's constants (`step.with_base`), in no
+    nnx.Param; a LoRA run's adapters): the others are the step's constants (`step.trained_in_part`), in no
     optimizer state, EMA or checkpoint."""
 
     module: nnx.Module  # the trainable model, placed on the mesh (when restoring, abstract: the checkpoint fills it)
@@ -131,9 +130,7 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     task = make_task(cfg, mesh, metrics_log, restoring=resume is not None)
     out.mkdir(parents=True, exist_ok=True)
     graphdef, params, base = nnx.split(task.module, getattr(task, "trainable", nnx.Param), ...)
-    loss_fn, constants = task.loss_fn(graphdef), task.constants
-    if jax.tree.leaves(base):  # trained in part
-        loss_fn, constants = functools.partial(steplib.with_base, loss_fn), {"task": constants, "base": base}
+    loss_fn, constants = steplib.trained_in_part(task.loss_fn(graphdef), task.constants, base)
     tx, lr_schedule = make_optimizer(cfg, sched.total)
     frozen = task.frozen(params) if hasattr(task, "frozen") else None
     if frozen is not None:

@@ -27,9 +27,9 @@ EMA over `fsdp`, see `sdx.mesh.param_sharding`), the batch is split over every d
 buffers are donated to the step. Constants already placed on the mesh keep their shardings (a LoRA run's
 frozen UNet, split over `fsdp` as the parameters would be); the others are replicated.
 
-A module trained in part (LoRA: its adapters) has its other parameters in the constants, under "base",
-and `with_base` as its loss: only the trained part is in the state, its gradients, the optimizer's moments,
-the EMA and the checkpoints.
+A module trained in part (LoRA: its adapters) has its other variables in the constants and a loss that
+merges them back (`trained_in_part`): only the trained part is in the state, its gradients, the
+optimizer's moments, the EMA and the checkpoints.
 """
 
 from __future__ import annotations
@@ -146,10 +146,17 @@ def _accumulated(grad_fn, params, micro, constants):
     return jax.tree.map(lambda s: s / count, sums)
 
 
-def with_base(loss_fn: LossFn, params, batch, keys, constants):
-    """`loss_fn` of a module trained in part: `params` (the trained parameters, an nnx.State) merged with
-    constants["base"] (the rest of the module's), and constants["task"] as `loss_fn`'s own constants.
-    Bind `loss_fn` with functools.partial."""
+def trained_in_part(loss_fn: LossFn, constants, base) -> tuple[LossFn, Any]:
+    """(loss, constants) for `compile_step` when the step trains part of a module: `base` (an nnx.State,
+    the module's variables that do not train) rides in the constants beside `constants`, and the loss
+    merges it with the trained parameters before calling `loss_fn`. A `base` without leaves (the whole
+    module trains) changes nothing."""
+    if not jax.tree.leaves(base):
+        return loss_fn, constants
+    return functools.partial(_with_base, loss_fn), {"task": constants, "base": base}
+
+
+def _with_base(loss_fn: LossFn, params, batch, keys, constants):
     return loss_fn(nnx.merge_state(params, constants["base"]), batch, keys, constants["task"])
 
 
