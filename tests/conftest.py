@@ -18,29 +18,32 @@ processes.configure_this_process()
 # -- the order of the test files under `pytest -n N --dist loadfile`
 
 # The files that take longest, longest first (seconds of one worker's time in a full `make test` on a 2-core
-# AMD EPYC VM, its 2048² float32 product at 182 GFLOP/s, 2026-11-28; keep the order when adding or speeding
-# up tests). xdist hands out whole files, by default those with the most tests first: these files, with few
+# AMD EPYC VM, 2026-12-02, with tests/processes.py's XLA flags; keep the order when adding or speeding up
+# tests). xdist hands out whole files, by default those with the most tests first: these files, with few
 # tests each, came last, and the worker that drew them ran for minutes after the other had finished (1358 s
 # against 1043 s). Given first, the two workers end within seconds of each other; every other file follows
 # in xdist's usual order.
 SLOW_FILES = (
-    "tests/test_sampler.py",  # ~290
-    "tests/test_train_e2e.py",  # ~280
-    "tests/test_unet.py",  # ~240
-    "tests/test_train_cli.py",  # ~160
-    "tests/test_randomness.py",  # ~160
-    "tests/test_pipelines.py",  # ~140
-    "tests/test_train_step.py",  # ~135
-    "tests/test_inpaint.py",  # ~125
-    "tests/test_controlnet_pipelines.py",  # ~120
-    "tests/test_default_models.py",  # ~110
-    "tests/test_train_vae.py",  # ~105
-    "tests/test_train_cache.py",  # ~80
-    "tests/test_train_mesh.py",  # ~75
-    "tests/test_train_lora.py",  # ~70 (2026-12-02, alone)
-    "tests/test_nonfinite.py",  # ~65
-    "tests/test_fuzz_readers.py",  # ~55
-    "tests/test_full_disk.py",  # ~45
+    "tests/test_sampler.py",  # ~195
+    "tests/test_train_e2e.py",  # ~185
+    "tests/test_unet.py",  # ~150
+    "tests/test_train_cli.py",  # ~115
+    "tests/test_default_models.py",  # ~105
+    "tests/test_train_mesh.py",  # ~90
+    "tests/test_pipelines.py",  # ~90
+    "tests/test_train_step.py",  # ~85
+    "tests/test_controlnet_pipelines.py",  # ~70
+    "tests/test_inpaint.py",  # ~70
+    "tests/test_train_vae.py",  # ~70
+    "tests/test_train_cache.py",  # ~60
+    "tests/test_randomness.py",  # ~55
+    "tests/test_fuzz_readers.py",  # ~45
+    "tests/test_vae.py",  # ~40
+    "tests/test_full_disk.py",  # ~35
+    "tests/test_schedulers_parity.py",  # ~35
+    "tests/test_train_checkpoint.py",  # ~30
+    "tests/test_prompts_file.py",  # ~25
+    "tests/test_train_lora.py",  # ~25
 )
 
 

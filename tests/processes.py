@@ -1,18 +1,22 @@
 """The environment of the test processes: the pytest workers themselves (tests/conftest.py) and every
 `python` they start.
 
-- XLA compiles with a low LLVM optimisation level: the suite runs tiny models for a few steps, so XLA's
-  CPU compile is much of its time. Level 1 (`TEST_XLA_FLAGS`, the pytest workers and what they start)
-  compiles as fast as the default level 2 and runs as fast. Level 0 (`TRAINING_XLA_FLAGS`, for the
-  processes that train a tiny model for a few steps) compiles a training step about 30 % faster (34 ->
-  24 s for test_accumulation_equals_one_big_batch on a Sapphire Rapids VM) but runs loop-emitted code
-  unoptimised: a sampler at 74x90 pixels spent 40 s of a 5-step run in reductions and softmaxes that
-  take 3 s at level 1 (113 s -> 27 s for test_sd_text_to_image_takes_the_control_image_size). A worker's
-  flags are fixed once its JAX starts, so the training tests that run inside a worker compile at level 1
-  too (test_accumulation_equals_one_big_batch: 26 -> 39 s on an AMD EPYC VM). The whole suite on that
-  VM: 18 min 2 s at level 0 everywhere, 17 min 3 s at level 1 everywhere, 16 min 23 s as set here. The
-  numbers a test compares (with diffusers, between batch sizes, meshes or resumed runs) are computed
-  under the same flags on both sides, or compared with tolerances float32 rounding stays far inside.
+- XLA compiles for speed of compiling (`TEST_XLA_FLAGS`, the pytest workers and every process they start):
+  LLVM optimisation level 0, and XLA:CPU's older fusion emitters instead of its MLIR ones. The suite runs
+  tiny models for a few steps, so XLA's CPU compile is most of its time. Level 0 alone compiles a tiny
+  training step about a quarter faster than level 1 (which compiles and runs like the default level 2)
+  but runs the MLIR emitters' loops unoptimised: a sampler at 74x90 pixels spent 40 s of a 5-step run in
+  reductions and softmaxes that take 3 s at level 1. With the older emitters, level 0 compiles faster
+  again and runs nearly as fast as level 1 (2-core AMD EPYC VM, one process per core as the workers run:
+  test_train_mesh.py's training step, compile and 2 steps, 37.5 s at level 1, 27.7 at level 0, 18.7 at
+  level 0 with the older emitters; a tiny_xl sampler call at 160², 5 steps, 6.2 s at level 1 and 8.3 s
+  with these flags; test_remat_gives_same_output_and_gradient 30.5 -> 12.5 s,
+  test_accumulation_equals_one_big_batch 45.0 -> 25.0 s, test_sd_text_to_image_takes_the_control_image_size
+  35.4 -> 20.4-27.8 s, seven of the slowest tests 279 -> 198-209 s; the whole suite: see README). The
+  flags are checked once per test run in a fresh `python` (`xla_flags`): an XLA that no longer knows one
+  aborts at start-up, so the suite then runs without the flags it refuses. The numbers a test compares
+  (with diffusers, between batch sizes, meshes or resumed runs) are computed under the same flags on
+  both sides, or compared with tolerances float32 rounding stays far inside.
 - JAX's persistent compilation cache is on in every test process, in one folder per test run
   (tests/conftest.py's `shared_compilation_cache`): a program one test or process compiled, another reads
   back (in the workers JAX's cache alone, so every program is still traced). The workers' time in a full
@@ -29,16 +33,30 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=1"
-TRAINING_XLA_FLAGS = "--xla_backend_optimization_level=0"
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+_CHECKED = "SDX_TEST_XLA_FLAGS"  # the flags this XLA takes, once found, for every process of the test run
 
 
-def child_env(*, devices: int | None = None, training: bool = False, **extra: str) -> dict[str, str]:
+def xla_flags() -> str:
+    """Those of `TEST_XLA_FLAGS` that this JAX's XLA takes (each tried in a fresh `python` once per test run,
+    since XLA aborts on a flag it does not know)."""
+    if _CHECKED not in os.environ:
+        probe = "import jax; jax.devices()"
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        taken = [flag for flag in TEST_XLA_FLAGS
+                 if subprocess.run([sys.executable, "-c", probe], env={**env, "XLA_FLAGS": flag},
+                                   capture_output=True).returncode == 0]
+        os.environ[_CHECKED] = " ".join(taken)
+    return os.environ[_CHECKED]
+
+
+def child_env(*, devices: int | None = None, **extra: str) -> dict[str, str]:
     """The environment of a `python` process a test starts: this one's, on the CPU, with the test XLA
-    flags (`training`: those of a process that trains a tiny model for a few steps) and `devices` fake
-    devices (None: one, whatever this process has), plus `extra`."""
-    flags = TRAINING_XLA_FLAGS if training else TEST_XLA_FLAGS
+    flags and `devices` fake devices (None: one, whatever this process has), plus `extra`."""
+    flags = xla_flags()
     if devices is not None:
         flags += f" --xla_force_host_platform_device_count={devices}"
     return {**os.environ, "JAX_PLATFORMS": "cpu", **extra, "XLA_FLAGS": flags}
@@ -69,4 +87,4 @@ def pin_worker() -> None:
 def configure_this_process() -> None:
     """Called once by tests/conftest.py, before JAX or torch start their thread pools."""
     pin_worker()
-    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), TEST_XLA_FLAGS) if f)
+    os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), xla_flags()) if f)

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 def world(tmp_path_factory, demo_models):
     root = tmp_path_factory.mktemp("cache")
     shapes.write_dataset(root / "edits", "edits", count=8, seed=0, size=32)
-    env = child_env(training=True, JAX_COMPILATION_CACHE_DIR=str(root / "jax"),
+    env = child_env(JAX_COMPILATION_CACHE_DIR=str(root / "jax"),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", SDX_CACHE=str(root / "sdx-cache"))
     return root, demo_models("tiny_xl"), env
 

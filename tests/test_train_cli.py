@@ -33,7 +33,7 @@ def world(tmp_path_factory, demo_models):
     model = demo_models("tiny")  # SD 1.x-like: pix2pix widens its conv_in
     shapes.write_dataset(root / "edits", "edits", count=8, seed=0, size=32)
     shapes.write_dataset(root / "captions", "captions", count=8, seed=0, size=32)
-    env = child_env(training=True, JAX_COMPILATION_CACHE_DIR=str(root / "jax"),
+    env = child_env(JAX_COMPILATION_CACHE_DIR=str(root / "jax"),
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", SDX_CACHE=str(root / "sdx-cache"))
     return root, model, env
 

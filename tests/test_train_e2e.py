@@ -118,7 +118,7 @@ def _mesh_run(model, data, out: Path, *extra: str, resume: bool, processes: int 
     waiting in a collective. A stalled job is killed after `STALL` seconds (a normal one takes about 60)
     and started once more from scratch, so the test fails on wrong numbers and on a second stall only."""
     # JAX's persistent cache on, as `python -m train.pix2pix` has it: the resumed run loads the step the first compiled
-    env = child_env(devices=4 // processes, training=True,
+    env = child_env(devices=4 // processes,
                     JAX_COMPILATION_CACHE_DIR=str(out.parent / f"jax-cache-{processes}"))
     argv = [sys.executable, str(Path(__file__).with_name("mesh_train_child.py")), str(out), *(["--resume"] if resume else []),
             "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data), "--fsdp", "2",

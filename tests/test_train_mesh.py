@@ -128,7 +128,7 @@ print("ok")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
-    env = child_env(devices=4, training=True)
+    env = child_env(devices=4)
     script = f"OUT = {str(out)!r}\n" + textwrap.dedent(CHILD)
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
