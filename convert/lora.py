@@ -16,13 +16,21 @@ Formats (one file may target the UNet and both text encoders):
 - diffusers' older names: `<module>.lora.down.weight` / `.lora.up.weight`, attention-processor
   names (`attn1.processor.to_q_lora.down.weight`, `self_attn.to_q_lora.down.weight`, `to_out_lora`),
   `lora_linear_layer`, and files whose UNet keys have no `unet.` prefix.
+- LyCORIS LoHa and LoKr under kohya names (`<name>.hada_w1_a`, ..., `<name>.lokr_w1`, ..., `.alpha`), as
+  LyCORIS computes them in its layers' forward: LoHa ΔW = (w1_a·w1_b) ⊙ (w2_a·w2_b), or with Tucker cores
+  t1/t2 for a convolution each half is einsum(t, w_b, w_a) into (out, in, kh, kw); LoKr ΔW = w1 ⊗ w2
+  (Kronecker), each of w1, w2 given whole or as a product a·b (w2 also as a Tucker core with a, b). The
+  scale is alpha / rank (rank: w1_b's rows; LoKr: those of whichever half is a product, 1 when neither is,
+  as LyCORIS and ComfyUI read it), 1 without an alpha.
 
-Not supported (an SdxError names the key): LyCORIS LoHa/LoKr, DoRA magnitudes, LoRA biases.
+Not supported (an SdxError names the key): DoRA magnitudes, LoRA biases, LyCORIS's other kinds (full diffs,
+IA3, OFT, GLoRA, ...).
 A LoRA module that matches no weight of the checkpoint is an error naming it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -55,7 +63,10 @@ _OLD_NAMES = (
     (r"\.processor\.to_(q|k|v)$", r".to_\1"), (r"\.processor\.to_out$", ".to_out.0"),
     (r"\.self_attn\.to_(q|k|v)$", r".self_attn.\1_proj"), (r"\.self_attn\.to_out$", ".self_attn.out_proj"),
 )
-_UNSUPPORTED = re.compile(r".*(hada_|lokr_|dora_scale|lora_magnitude_vector|lora_B\.bias|\.diff(_b)?$).*")
+_UNSUPPORTED = re.compile(r".*(dora_scale|lora_magnitude_vector|lora_B\.bias|\.diff(_b)?$).*")
+# LyCORIS's factors (kohya-named files: `<name>.<factor>`), each its own role; which ones a module has tells its kind
+_LOHA = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
+_LOKR = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
 
 
 def parse_lora_arg(arg: str) -> tuple[Path, float]:
@@ -147,6 +158,8 @@ def _split_kohya(key: str) -> tuple[str, str, str] | None:
         if key.startswith(prefix):
             name, _, suffix = key.partition(".")
             role = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}.get(suffix)
+            if role is None and suffix in _LOHA + _LOKR:
+                role = suffix
             if role is None:
                 raise SdxError(f"LoRA key {key!r}: {suffix!r} is not a LoRA weight sdx can merge")
             return component, name[len(prefix):], role
@@ -187,8 +200,118 @@ def _metadata_alpha(metadata: Mapping[str, object], component: str, module: str,
     return alpha
 
 
-def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray, float]]:
-    """(component, weight key) -> (up, down, alpha / rank) for every LoRA module in the file at `path`."""
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One module's update in a LoRA file: its kind ("lora", "loha", "lokr") and its factors by role, and the
+    factor alpha / rank that scales their product."""
+
+    kind: str
+    factors: dict[str, np.ndarray]
+    scale: float
+
+    def size(self) -> int:
+        """How many numbers `product` gives, from the factors' shapes alone (checked against the weight before
+        anything is multiplied: a file's factors could otherwise make an update of any size)."""
+        f = self.factors
+        if self.kind == "lora":
+            return f["up"].shape[0] * math.prod(f["down"].shape[1:])
+        if self.kind == "loha":
+            a, b = f["hada_w1_a"], f["hada_w1_b"]
+            if "hada_t1" in f:
+                return a.shape[1] * b.shape[1] * math.prod(f["hada_t1"].shape[2:])
+            return a.shape[0] * math.prod(b.shape[1:])
+        w1 = f["lokr_w1"].size if "lokr_w1" in f else f["lokr_w1_a"].shape[0] * f["lokr_w1_b"].shape[1]
+        if "lokr_w2" in f:
+            w2 = f["lokr_w2"].size
+        elif "lokr_t2" in f:
+            w2 = f["lokr_w2_a"].shape[1] * f["lokr_w2_b"].shape[1] * math.prod(f["lokr_t2"].shape[2:])
+        else:
+            w2 = f["lokr_w2_a"].shape[0] * math.prod(f["lokr_w2_b"].shape[1:])
+        return w1 * w2
+
+    def product(self) -> np.ndarray:
+        """The unscaled update in float32, in the layout its factors give (reshaped to the weight by the caller)."""
+        f = {role: np.asarray(a, dtype=np.float32) for role, a in self.factors.items()}
+        if self.kind == "lora":
+            up, down = f["up"], f["down"]
+            if down.ndim == 4 and down.shape[2:] != (1, 1):  # a kxk down after a 1x1 up (LoCon)
+                if up.ndim != 4 or up.shape[2:] != (1, 1):
+                    raise ValueError(f"a {down.shape[2:]} conv LoRA needs a 1x1 up weight, got {up.shape}")
+                return np.einsum("or,rihw->oihw", up[:, :, 0, 0], down)
+            return up.reshape(up.shape[0], -1) @ down.reshape(down.shape[0], -1)
+        if self.kind == "loha":
+            halves = _loha_half(f, "1"), _loha_half(f, "2")
+            if halves[0].shape != halves[1].shape:  # (never broadcast one over the other)
+                raise ValueError(f"its halves are {halves[0].shape} and {halves[1].shape}")
+            return halves[0] * halves[1]
+        w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
+        if "lokr_w2" in f:
+            w2 = f["lokr_w2"]
+        elif "lokr_t2" in f:  # Tucker: core (r, r, kh, kw), a (r, out), b (r, in) -> (out, in, kh, kw)
+            w2 = np.einsum("ijkl,ip,jr->prkl", f["lokr_t2"], f["lokr_w2_a"], f["lokr_w2_b"], optimize=True)
+        else:  # b may keep a convolution's (in, kh, kw)
+            a, b = f["lokr_w2_a"], f["lokr_w2_b"]
+            w2 = (a @ b.reshape(b.shape[0], -1)).reshape(a.shape[0], *b.shape[1:])
+        return np.kron(w1.reshape(*w1.shape, *[1] * (w2.ndim - w1.ndim)), w2)  # w1 spread over w2's kernel axes
+
+
+def _loha_half(f: dict[str, np.ndarray], i: str) -> np.ndarray:
+    """LoHa's i-th factor of the Hadamard product: w_a @ w_b, or with a Tucker core t (r, r, kh, kw), a (r, out)
+    and b (r, in), einsum(t, b, a) -> (out, in, kh, kw)."""
+    a, b = f[f"hada_w{i}_a"], f[f"hada_w{i}_b"]
+    if f"hada_t{i}" in f:
+        return np.einsum("ijkl,jr,ip->prkl", f[f"hada_t{i}"], b, a, optimize=True)
+    return a.reshape(a.shape[0], -1) @ b.reshape(b.shape[0], -1)
+
+
+def _adapter(group: dict[str, np.ndarray], name: str, alpha_default) -> Adapter:
+    """The Adapter of one module's weights `group` (role -> array; `name`: a key of it, for errors);
+    alpha_default(rank) -> alpha when the group has none (None: alpha = rank)."""
+    roles = set(group) - {"alpha"}
+    kinds = {"lora" if r in ("up", "down") else "loha" if r.startswith("hada_") else "lokr" for r in roles}
+    if not kinds:
+        raise SdxError(f"{name!r}: an alpha without the weights it scales")
+    if len(kinds) != 1:
+        raise SdxError(f"{name!r}: its module mixes weights of {' and '.join(sorted(kinds))} adapters")
+    kind = kinds.pop()
+    if kind == "lora":
+        if "down" not in group or "up" not in group:
+            raise SdxError(f"{name!r} has no matching {'up' if 'down' in group else 'down'} weight")
+        down, up = group["down"], group["up"]
+        if down.ndim not in (2, 4) or up.ndim != down.ndim or 0 in down.shape or 0 in up.shape:
+            raise SdxError(f"{name!r}: up {up.shape} and down {down.shape} are not a LoRA pair "
+                           "(two non-empty matrices, or 4-D for a convolution)")
+        rank = down.shape[0]
+        if up.shape[1] != rank:
+            raise SdxError(f"{name!r}: up {up.shape} and down {down.shape} ranks differ")
+    else:
+        if kind == "loha":
+            needed = [{"hada_w1_a"}, {"hada_w1_b"}, {"hada_w2_a"}, {"hada_w2_b"}]
+            if ("hada_t1" in group) != ("hada_t2" in group):
+                raise SdxError(f"{name!r}: a LoHa module has both Tucker cores hada_t1, hada_t2 or neither")
+        else:
+            needed = [{"lokr_w1", "lokr_w1_a"}, {"lokr_w2", "lokr_w2_a"}]
+            needed += [{"lokr_w1_b"}] if "lokr_w1_a" in group else []
+            needed += [{"lokr_w2_b"}] if "lokr_w2_a" in group else []
+        for options in needed:
+            if not options & roles:
+                raise SdxError(f"{name!r}: its {kind} module has no {' or '.join(sorted(options))} weight")
+        if any(a.ndim < 2 or 0 in a.shape for r, a in group.items() if r != "alpha"):
+            raise SdxError(f"{name!r}: each {kind} factor must be a non-empty matrix or more")
+        # the rank alpha divides: LoHa's w1_b rows; LoKr's of whichever half is a product (none: scale 1)
+        rank = next((group[k].shape[0] for k in ("hada_w1_b", "lokr_w1_b", "lokr_w2_b") if k in group), 0)
+    if "alpha" in group:
+        if group["alpha"].size != 1:
+            raise SdxError(f"{name!r}: alpha has shape {group['alpha'].shape}, expected one number")
+        alpha = float(np.asarray(group["alpha"], dtype=np.float64).reshape(-1)[0])
+    else:
+        alpha = alpha_default(rank) if kind == "lora" else None
+    factors = {r: a for r, a in group.items() if r != "alpha"}
+    return Adapter(kind, factors, alpha / rank if alpha is not None and rank else 1.0)
+
+
+def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], Adapter]:
+    """(component, weight key) -> its Adapter, for every module of the LoRA file at `path`."""
     path = Path(path)
     tensors = load_tensors(path)
     if not tensors:
@@ -207,7 +330,7 @@ def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], tuple[np.
     for key, array in tensors.items():
         if _UNSUPPORTED.fullmatch(key):
             raise SdxError(f"{path}: {key!r} belongs to a LoRA variant sdx does not merge "
-                           "(LoHa, LoKr, DoRA, LoRA biases)")
+                           "(DoRA, LoRA biases, LyCORIS full diffs)")
         kohya = _split_kohya(key)
         if kohya is not None:
             component, name, role = kohya
@@ -222,45 +345,27 @@ def lora_deltas(checkpoint: Checkpoint, path) -> dict[tuple[str, str], tuple[np.
         source.setdefault((component, module), key)
     out = {}
     for (component, module), group in groups.items():
-        if "down" not in group or "up" not in group:
-            raise SdxError(f"{path}: {source[component, module]!r} has no matching "
-                           f"{'up' if 'down' in group else 'down'} weight")
-        down, up, name = group["down"], group["up"], source[component, module]
-        if down.ndim not in (2, 4) or up.ndim != down.ndim or 0 in down.shape or 0 in up.shape:
-            raise SdxError(f"{path}: {name!r}: up {up.shape} and down {down.shape} are not a LoRA pair "
-                           "(two non-empty matrices, or 4-D for a convolution)")
-        rank = down.shape[0]
-        if up.shape[1] != rank:
-            raise SdxError(f"{path}: {name!r}: up {up.shape} and down {down.shape} ranks differ")
-        if "alpha" in group:
-            if group["alpha"].size != 1:
-                raise SdxError(f"{path}: {name!r}: alpha has shape {group['alpha'].shape}, expected one number")
-            alpha = float(np.asarray(group["alpha"], dtype=np.float64).reshape(-1)[0])
-        else:
+        def alpha_default(rank, component=component, module=module):
             alpha = _metadata_alpha(metadata, component, module, rank)
-            alpha = float(rank) if alpha is None else alpha
-        out[component, f"{module}.weight"] = (up, down, alpha / rank)
+            return float(rank) if alpha is None else alpha
+        try:
+            out[component, f"{module}.weight"] = _adapter(group, source[component, module], alpha_default)
+        except SdxError as e:
+            raise SdxError(f"{path}: {e}") from None
     return out
-
-
-def _delta(up: np.ndarray, down: np.ndarray, shape: tuple[int, ...], where: str) -> np.ndarray:
-    """up @ down in float32, shaped like the weight (Linear, 1x1 conv, or kxk conv with a 1x1 up)."""
-    up32, down32 = up.astype(np.float32), down.astype(np.float32)
-    if down.ndim == 4 and down.shape[2:] != (1, 1):
-        if up.ndim != 4 or up.shape[2:] != (1, 1):
-            raise SdxError(f"{where}: a {down.shape[2:]} conv LoRA needs a 1x1 up weight, got {up.shape}")
-        delta = np.einsum("or,rihw->oihw", up32[:, :, 0, 0], down32)
-    else:
-        delta = up32.reshape(up.shape[0], -1) @ down32.reshape(down.shape[0], -1)
-    if delta.size != math.prod(shape):
-        raise SdxError(f"{where}: LoRA product {delta.shape} does not fit the weight {shape}")
-    return delta.reshape(shape)
 
 
 def merge_lora(checkpoint: Checkpoint, path, scale: float = 1.0) -> None:
     """Merge the LoRA file at `path` into `checkpoint`'s tensors in place, with strength `scale`."""
-    for (component, key), (up, down, factor) in lora_deltas(checkpoint, path).items():
+    for (component, key), adapter in lora_deltas(checkpoint, path).items():
         weight = checkpoint.tensors[component][key]
-        delta = _delta(up, down, tuple(weight.shape), f"{path}: {component} {key}")
-        merged = np.asarray(weight, dtype=np.float32) + delta * np.float32(scale * factor)
+        where = f"{path}: {component} {key}"
+        if adapter.size() != math.prod(weight.shape):
+            raise SdxError(f"{where}: its {adapter.kind} update has {adapter.size():,} numbers, which do not fit "
+                           f"the weight {tuple(weight.shape)}")
+        try:
+            delta = adapter.product()
+        except ValueError as e:  # factors whose inner shapes do not chain
+            raise SdxError(f"{where}: its {adapter.kind} factors do not fit together ({e})") from None
+        merged = np.asarray(weight, dtype=np.float32) + delta.reshape(weight.shape) * np.float32(scale * adapter.scale)
         checkpoint.tensors[component][key] = merged.astype(weight.dtype)

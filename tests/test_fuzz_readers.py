@@ -276,6 +276,16 @@ LORA_KEYS = [
     "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight",
     "unet.mid_block.resnets.0.conv1.lora.up.weight",
     "lora_unet_nowhere.lora_up.weight",
+    "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w1_a",
+    "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w1_b",
+    "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w2_a",
+    "lora_unet_down_blocks_0_attentions_0_proj_in.hada_w2_b",
+    "lora_unet_down_blocks_0_attentions_0_proj_in.hada_t1",
+    "lora_unet_mid_block_resnets_0_conv1.lokr_w1",
+    "lora_unet_mid_block_resnets_0_conv1.lokr_w2_a",
+    "lora_unet_mid_block_resnets_0_conv1.lokr_w2_b",
+    "lora_unet_mid_block_resnets_0_conv1.lokr_t2",
+    "lora_unet_mid_block_resnets_0_conv1.alpha",
     "something_else",
 ]
 
@@ -295,6 +305,9 @@ def test_lora_files_with_any_keys_and_shapes(sd15_checkpoint, tmp_path, tensors,
     io.write_safetensors(path, {k: np.ones(shape, np.float32) for k, shape in tensors.items()}, metadata=metadata)
     out = _bounded(lora.lora_deltas, sd15_checkpoint, path)
     assert isinstance(out, (SdxError, dict))
+    if isinstance(out, dict):  # and merging what it read: an SdxError too, never another exception
+        ck = dataclasses.replace(sd15_checkpoint, tensors={c: dict(t) for c, t in sd15_checkpoint.tensors.items()})
+        assert isinstance(_bounded(lora.merge_lora, ck, path), (SdxError, type(None)))
 
 
 # --------------------------------------------------------------------------------------------------

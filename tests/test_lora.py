@@ -191,8 +191,11 @@ def test_unmatched_and_unsupported_keys_are_named(loras, tmp_path):
     with pytest.raises(SdxError, match="text_encoder_2, which this model does not have"):
         lora.ours(tmp_path / "te2.safetensors")
     save_file({"lora_unet_conv_in.hada_w1_a": down}, str(tmp_path / "loha.safetensors"))
-    with pytest.raises(SdxError, match="LoHa"):
+    with pytest.raises(SdxError, match="its loha module has no hada_w1_b weight"):  # LoHa itself: test_lycoris.py
         lora.ours(tmp_path / "loha.safetensors")
+    save_file({"lora_unet_conv_in.dora_scale": down}, str(tmp_path / "dora.safetensors"))
+    with pytest.raises(SdxError, match="DoRA"):
+        lora.ours(tmp_path / "dora.safetensors")
     save_file({"unet.conv_in.lora_A.weight": np.ones((2, 4, 3, 3), np.float32)}, str(tmp_path / "half.safetensors"))
     with pytest.raises(SdxError, match="no matching up weight"):
         lora.ours(tmp_path / "half.safetensors")
