@@ -21,7 +21,8 @@ Formats (one file may target the UNet and both text encoders):
   t1/t2 for a convolution each half is einsum(t, w_b, w_a) into (out, in, kh, kw); LoKr ΔW = w1 ⊗ w2
   (Kronecker), each of w1, w2 given whole or as a product a·b (w2 also as a Tucker core with a, b). The
   scale is alpha / rank (rank: w1_b's rows; LoKr: those of whichever half is a product, 1 when neither is,
-  as LyCORIS and ComfyUI read it), 1 without an alpha.
+  as LyCORIS and ComfyUI read it), 1 without an alpha. LyCORIS's LoCon is kohya's LoRA, with a Tucker core
+  `lora_mid` between the 1x1 down and up for a convolution.
 
 Not supported (an SdxError names the key): DoRA magnitudes, LoRA biases, LyCORIS's other kinds (full diffs,
 IA3, OFT, GLoRA, ...).
@@ -157,7 +158,8 @@ def _split_kohya(key: str) -> tuple[str, str, str] | None:
     for prefix, component in _KOHYA_PREFIXES.items():
         if key.startswith(prefix):
             name, _, suffix = key.partition(".")
-            role = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}.get(suffix)
+            role = {"lora_down.weight": "down", "lora_up.weight": "up", "lora_mid.weight": "mid",
+                    "alpha": "alpha"}.get(suffix)
             if role is None and suffix in _LOHA + _LOKR:
                 role = suffix
             if role is None:
@@ -214,7 +216,7 @@ class Adapter:
         anything is multiplied: a file's factors could otherwise make an update of any size)."""
         f = self.factors
         if self.kind == "lora":
-            return f["up"].shape[0] * math.prod(f["down"].shape[1:])
+            return f["up"].shape[0] * math.prod(f["down"].shape[1:]) * math.prod(f["mid"].shape[2:] if "mid" in f else ())
         if self.kind == "loha":
             a, b = f["hada_w1_a"], f["hada_w1_b"]
             if "hada_t1" in f:
@@ -234,6 +236,8 @@ class Adapter:
         f = {role: np.asarray(a, dtype=np.float32) for role, a in self.factors.items()}
         if self.kind == "lora":
             up, down = f["up"], f["down"]
+            if "mid" in f:  # LoCon's Tucker core (r, r, kh, kw) between a 1x1 down and a 1x1 up
+                return _tucker(f["mid"], up.reshape(up.shape[0], -1).T, down.reshape(down.shape[0], -1))
             if down.ndim == 4 and down.shape[2:] != (1, 1):  # a kxk down after a 1x1 up (LoCon)
                 if up.ndim != 4 or up.shape[2:] != (1, 1):
                     raise ValueError(f"a {down.shape[2:]} conv LoRA needs a 1x1 up weight, got {up.shape}")
@@ -247,8 +251,8 @@ class Adapter:
         w1 = f["lokr_w1"] if "lokr_w1" in f else f["lokr_w1_a"] @ f["lokr_w1_b"]
         if "lokr_w2" in f:
             w2 = f["lokr_w2"]
-        elif "lokr_t2" in f:  # Tucker: core (r, r, kh, kw), a (r, out), b (r, in) -> (out, in, kh, kw)
-            w2 = np.einsum("ijkl,ip,jr->prkl", f["lokr_t2"], f["lokr_w2_a"], f["lokr_w2_b"], optimize=True)
+        elif "lokr_t2" in f:
+            w2 = _tucker(f["lokr_t2"], f["lokr_w2_a"], f["lokr_w2_b"])
         else:  # b may keep a convolution's (in, kh, kw)
             a, b = f["lokr_w2_a"], f["lokr_w2_b"]
             w2 = (a @ b.reshape(b.shape[0], -1)).reshape(a.shape[0], *b.shape[1:])
@@ -256,19 +260,23 @@ class Adapter:
 
 
 def _loha_half(f: dict[str, np.ndarray], i: str) -> np.ndarray:
-    """LoHa's i-th factor of the Hadamard product: w_a @ w_b, or with a Tucker core t (r, r, kh, kw), a (r, out)
-    and b (r, in), einsum(t, b, a) -> (out, in, kh, kw)."""
+    """LoHa's i-th factor of the Hadamard product: w_a @ w_b, or the Tucker rebuild of its core t_i."""
     a, b = f[f"hada_w{i}_a"], f[f"hada_w{i}_b"]
     if f"hada_t{i}" in f:
-        return np.einsum("ijkl,jr,ip->prkl", f[f"hada_t{i}"], b, a, optimize=True)
+        return _tucker(f[f"hada_t{i}"], a, b)
     return a.reshape(a.shape[0], -1) @ b.reshape(b.shape[0], -1)
+
+
+def _tucker(core: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """LyCORIS's Tucker rebuild: core (r, r, kh, kw), a (r, out), b (r, in) -> (out, in, kh, kw)."""
+    return np.einsum("ijkl,ip,jr->prkl", core, a, b, optimize=True)
 
 
 def _adapter(group: dict[str, np.ndarray], name: str, alpha_default) -> Adapter:
     """The Adapter of one module's weights `group` (role -> array; `name`: a key of it, for errors);
     alpha_default(rank) -> alpha when the group has none (None: alpha = rank)."""
     roles = set(group) - {"alpha"}
-    kinds = {"lora" if r in ("up", "down") else "loha" if r.startswith("hada_") else "lokr" for r in roles}
+    kinds = {"lora" if r in ("up", "down", "mid") else "loha" if r.startswith("hada_") else "lokr" for r in roles}
     if not kinds:
         raise SdxError(f"{name!r}: an alpha without the weights it scales")
     if len(kinds) != 1:

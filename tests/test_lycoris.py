@@ -1,12 +1,13 @@
-"""convert.lora's LoHa and LoKr against LyCORIS itself (the `lycoris-lora` package, on PyTorch).
+"""convert.lora's LoCon, LoHa and LoKr against LyCORIS itself (the `lycoris-lora` package, on PyTorch).
 
 LyCORIS's own modules are put on layers of a tiny SDXL pipeline (linear layers and 3x3 / 1x1 convolutions of
 the UNet, both text encoders), every factor drawn at random (LyCORIS starts one at zero), alphas that differ
 from the ranks; the file holds each module's `custom_state_dict()` (what LyCORIS saves) under the kohya name
-of its layer. The reference update of a layer is what the module's forward adds to its weight:
-`get_weight(shape) * scalar`. sdx merges the file at strength SCALE; the merged weight minus the original
-must be SCALE times that update, for every variant LyCORIS writes: LoHa plain and with Tucker cores; LoKr
-with w1 and w2 whole, w2 or both as products, w2 as a Tucker core, and a chosen factor.
+of its layer. The reference update of a layer is what the module's forward adds to its weight (`_update`).
+sdx merges the file at strength SCALE; the merged weight minus the original
+must be SCALE times that update, for every variant LyCORIS writes: LoCon (kohya's LoRA) plain and with a
+Tucker core; LoHa plain and with Tucker cores; LoKr with w1 and w2 whole, w2 or both as products, w2 as a
+Tucker core, and a chosen factor.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sdx.errors import SdxError
 torch = pytest.importorskip("torch")
 lycoris = pytest.importorskip("lycoris")
 
-from lycoris.modules import LohaModule, LokrModule  # noqa: E402
+from lycoris.modules import LohaModule, LokrModule, LoConModule  # noqa: E402
 
 from tests.tiny_models import make_tiny_pipeline  # noqa: E402
 
@@ -39,6 +40,8 @@ LAYERS = [
 PREFIX = {"unet": "lora_unet_", "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"}
 # variant -> (module class, keyword arguments): every layout of factors LyCORIS saves
 VARIANTS = {
+    "locon": (LoConModule, {}),
+    "locon_tucker": (LoConModule, {"use_tucker": True}),
     "loha": (LohaModule, {}),
     "loha_tucker": (LohaModule, {"use_tucker": True}),
     "lokr": (LokrModule, {}),
@@ -47,6 +50,15 @@ VARIANTS = {
     "lokr_factor_4": (LokrModule, {"factor": 4}),
     "lokr_whole": (LokrModule, {"full_matrix": True}),
 }
+
+
+def _update(module):
+    """What a LyCORIS module's forward adds to its layer's weight: LoCon's product (its scalar in it) times the
+    scale, LoHa's and LoKr's `get_weight` (the scale in it) times the scalar. (Their `get_diff_weight` scales a
+    second time; A1111, ComfyUI and the forward scale once.)"""
+    if isinstance(module, LoConModule):
+        return module.make_weight() * module.scale
+    return module.get_weight(module.shape) * module.scalar
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +90,7 @@ def _lycoris_file(pipe, variant: str, path) -> dict[tuple[str, str], np.ndarray]
         with torch.no_grad():
             for p in module.parameters():
                 p.copy_(torch.randn_like(p) * 0.3)
-            updates[component, f"{layer_path}.weight"] = (module.get_weight(module.shape) * module.scalar).numpy()
+            updates[component, f"{layer_path}.weight"] = _update(module).numpy()
         for key, value in module.custom_state_dict().items():
             saved[f"{name}.{key}"] = value.detach().contiguous()
     save_file(saved, str(path))
