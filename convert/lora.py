@@ -216,7 +216,8 @@ class Adapter:
         anything is multiplied: a file's factors could otherwise make an update of any size)."""
         f = self.factors
         if self.kind == "lora":
-            return f["up"].shape[0] * math.prod(f["down"].shape[1:]) * math.prod(f["mid"].shape[2:] if "mid" in f else ())
+            kernel = f["mid"].shape[2:] if "mid" in f else ()  # a Tucker core's (kh, kw)
+            return f["up"].shape[0] * math.prod(f["down"].shape[1:]) * math.prod(kernel)
         if self.kind == "loha":
             a, b = f["hada_w1_a"], f["hada_w1_b"]
             if "hada_t1" in f:

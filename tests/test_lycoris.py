@@ -61,6 +61,13 @@ def _update(module):
     return module.get_weight(module.shape) * module.scalar
 
 
+def _copy(checkpoint: Checkpoint) -> Checkpoint:
+    """A checkpoint to merge into: its own dicts over the same arrays (merge_lora replaces arrays, never writes
+    into them)."""
+    tensors = {c: dict(t) for c, t in checkpoint.tensors.items()}
+    return Checkpoint(checkpoint.pipeline_class, checkpoint.configs, tensors)
+
+
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     pipe = make_tiny_pipeline("sdxl", tmp_path_factory.mktemp("pipeline"), seed=1)
@@ -102,7 +109,7 @@ def test_merged_update_is_lycoris_forward_s(pipeline, tmp_path, variant):
     pipe, checkpoint = pipeline
     path = tmp_path / f"{variant}.safetensors"
     updates = _lycoris_file(pipe, variant, path)
-    ours = Checkpoint(checkpoint.pipeline_class, checkpoint.configs, {c: dict(t) for c, t in checkpoint.tensors.items()})
+    ours = _copy(checkpoint)
     L.merge_lora(ours, path, SCALE)
     for (component, key), update in updates.items():
         merged = ours.tensors[component][key] - checkpoint.tensors[component][key]
@@ -127,8 +134,9 @@ def test_the_scale_is_alpha_over_the_rank_of_a_product(pipeline, tmp_path):
     for case, change in (("twice", lambda k, v: np.asarray(v * 2) if k.endswith(".alpha") else v), ("none", None)):
         changed = {k: (change(k, v) if change else v) for k, v in tensors.items() if change or not k.endswith(".alpha")}
         save_file(changed, str(tmp_path / f"{case}.safetensors"))
-        deltas[case] = {(c, k): a.scale for (c, k), a in L.lora_deltas(checkpoint, tmp_path / f"{case}.safetensors").items()}
-    reference = {(c, k): a.scale for (c, k), a in L.lora_deltas(checkpoint, path).items()}
+        adapters = L.lora_deltas(checkpoint, tmp_path / f"{case}.safetensors")
+        deltas[case] = {key: adapter.scale for key, adapter in adapters.items()}
+    reference = {key: adapter.scale for key, adapter in L.lora_deltas(checkpoint, path).items()}
     assert reference.keys() == updates.keys()
     for key, scale in reference.items():
         assert deltas["twice"][key] == pytest.approx(2 * scale)
@@ -138,9 +146,11 @@ def test_the_scale_is_alpha_over_the_rank_of_a_product(pipeline, tmp_path):
 @pytest.mark.parametrize("tensors, match", [
     ({"lora_unet_conv_in.hada_w1_a": (4, 2), "lora_unet_conv_in.hada_w1_b": (2, 36)}, "no hada_w2_a weight"),
     ({"lora_unet_conv_in.lokr_w1_a": (2, 2), "lora_unet_conv_in.lokr_w2": (2, 2)}, "no lokr_w1_b weight"),
-    ({"lora_unet_conv_in.lokr_w1": (2, 2), "lora_unet_conv_in.lora_up.weight": (4, 2)}, "mixes weights of lokr and lora"),
-    ({"lora_unet_conv_in.hada_w1_a": (4, 2), "lora_unet_conv_in.hada_w1_b": (2, 36), "lora_unet_conv_in.hada_w2_a": (4, 2),
-      "lora_unet_conv_in.hada_w2_b": (2, 36), "lora_unet_conv_in.hada_t1": (2, 2, 3, 3)}, "Tucker cores"),
+    ({"lora_unet_conv_in.lokr_w1": (2, 2), "lora_unet_conv_in.lora_up.weight": (4, 2)},
+     "mixes weights of lokr and lora"),
+    ({"lora_unet_conv_in.hada_w1_a": (4, 2), "lora_unet_conv_in.hada_w1_b": (2, 36),
+      "lora_unet_conv_in.hada_w2_a": (4, 2), "lora_unet_conv_in.hada_w2_b": (2, 36),
+      "lora_unet_conv_in.hada_t1": (2, 2, 3, 3)}, "Tucker cores"),
     ({"lora_unet_conv_in.lokr_w1": (2, 2), "lora_unet_conv_in.lokr_w2": (3, 3)}, "do not fit the weight"),
     ({"lora_unet_conv_in.hada_w1_a": (32, 2), "lora_unet_conv_in.hada_w1_b": (3, 36),  # conv_in: (32, 4, 3, 3)
       "lora_unet_conv_in.hada_w2_a": (32, 2), "lora_unet_conv_in.hada_w2_b": (2, 36)}, "factors do not fit together"),
@@ -156,7 +166,7 @@ def test_malformed_lycoris_modules_are_one_error_naming_the_key(pipeline, tmp_pa
     from safetensors.numpy import save_file
 
     save_file({k: np.ones(shape, np.float32) for k, shape in tensors.items()}, str(tmp_path / "bad.safetensors"))
-    ours = Checkpoint(checkpoint.pipeline_class, checkpoint.configs, {c: dict(t) for c, t in checkpoint.tensors.items()})
+    ours = _copy(checkpoint)
     with pytest.raises(SdxError, match=match) as error:
         L.merge_lora(ours, tmp_path / "bad.safetensors", SCALE)
     assert "lora_unet_conv_in" in str(error.value) or "conv_in" in str(error.value)
