@@ -31,7 +31,7 @@ from sdx.attention import dot_product_attention
 from sdx import diffusers_config, outline, presets
 from sdx.config import FLAG, JsonConfig, Kind
 from sdx.errors import SdxError
-from sdx.layers import F32, Compute, LayerNorm, linear
+from sdx.layers import F32, Compute, LayerNorm, linear, rematerialised
 
 # transformers' ACT2FN names we implement. quick_gelu is x*sigmoid(1.702x) (OpenAI CLIP); gelu is the
 # exact erf form (torch's nn.GELU(), which OpenCLIP used).
@@ -188,12 +188,14 @@ class CLIPEncoderLayer(nnx.Module):
 class CLIPEncoder(nnx.Module):
     def __init__(self, cfg: TextEncoderConfig, cp: Compute, *, rngs: nnx.Rngs):
         self.layers = nnx.List([CLIPEncoderLayer(cfg, cp, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.remat = cp.remat  # each layer rematerialised in the backward pass (a trained encoder's LoRA)
 
     def __call__(self, x) -> tuple[jax.Array, ...]:
         """Returns (x, layer 1 output, ..., layer N output)."""
         states = [x]
         for layer in self.layers:
-            states.append(outline.call(layer, states[-1]))
+            x = states[-1]
+            states.append(rematerialised(outline.call, layer, x) if self.remat else outline.call(layer, x))
         return tuple(states)
 
 

@@ -29,7 +29,8 @@ class Compute:
     batch_shards: the devices the batch is split over (a mesh's size: `sdx.mesh.batch_sharding`), whose
     shares the `chunked` backend keeps apart;
     conv: the backend of every convolution (`sdx.conv`; `auto` takes matrix products, or Winograd's, where
-    they are faster on a CPU); remat: rematerialise (recompute in the backward pass) each UNet block, for training.
+    they are faster on a CPU); remat: rematerialise (recompute in the backward pass) each UNet block, or each
+    text encoder layer, for training (`rematerialised`).
     """
 
     dtype: jnp.dtype = jnp.float32
@@ -42,6 +43,14 @@ class Compute:
 
 
 F32 = Compute()
+
+
+def rematerialised(call, block: nnx.Module, *args):
+    """call(block, *args), its activations recomputed in the backward pass instead of kept. The block goes
+    through `jax.checkpoint` as its split state: `nnx.remat` refuses a block whose variables come from two
+    traces (a LoRA run differentiates the adapters alone, the rest being constants)."""
+    graphdef, state = nnx.split(block)
+    return jax.checkpoint(lambda s, *a: call(nnx.merge(graphdef, s), *a))(state, *args)
 
 
 class Linear(nnx.Linear):

@@ -7,12 +7,13 @@ in the layer's. An adapter is the child `lora` of the `sdx.layers.Linear` it ada
 keep their paths (diffusers' key paths) and a model without adapters is the model as it was.
 
 - `attach`: an adapter on every linear layer whose path ends in one of `targets` (diffusers' LoRA
-  scripts: the attentions' to_q, to_k, to_v and to_out.0), down drawn from N(0, 1/rank²) (peft's
+  scripts: the UNet attentions' to_q, to_k, to_v and to_out.0, `TARGETS`; the text encoders' q_proj,
+  k_proj, v_proj and out_proj, `TEXT_TARGETS`), down drawn from N(0, 1/rank²) (peft's
   `init_lora_weights="gaussian"`), up zero: the model computes exactly what it did.
 - `fused`: the model without adapters, each kernel plus scale · down · up (diffusers' `fuse_lora`),
   what the sampler's `--lora` makes of the file `state_dict` gives.
-- `state_dict`: the adapters as diffusers writes them (`unet.<module>.lora_A.weight`, `.lora_B.weight`,
-  float32), with the scale folded into lora_B so that any reader's default alpha (= rank) is right.
+- `state_dict`: the adapters as diffusers writes them (`unet.<module>.lora_A.weight`, `.lora_B.weight`;
+  `text_encoder.text_model.<module>...` for a text encoder; float32), with the scale folded into lora_B so that any reader's default alpha (= rank) is right.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from sdx import mesh as meshlib
 from sdx.layers import Linear
 
 TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+TEXT_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj")
 
 
 class LoRAParam(nnx.Param):

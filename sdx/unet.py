@@ -60,6 +60,7 @@ from sdx.layers import (
     TimestepEmbedding,
     TextContext,
     Transformer2DModel,
+    rematerialised,
     Upsample2D,
     conv,
     timestep_embedding,
@@ -520,12 +521,9 @@ class UNetEncoder(nnx.Module):
         return emb + self.add_embedding(add)
 
     def _run(self, block, *args, **static):
-        """Call a block, rematerialised in the backward pass when `cp.remat` (static args by closure). The
-        block goes through `jax.checkpoint` as its split state: `nnx.remat` refuses a block whose variables
-        come from two traces (a LoRA run differentiates the adapters alone, the rest being constants)."""
+        """Call a block, rematerialised in the backward pass when `cp.remat` (static args by closure)."""
         if self.remat:
-            graphdef, state = nnx.split(block)
-            return jax.checkpoint(lambda s, *a: nnx.merge(graphdef, s)(*a, **static))(state, *args)
+            return rematerialised(lambda b, *a: b(*a, **static), block, *args)
         return block(*args, **static)
 
     def _down(self, x, temb, context) -> tuple[jax.Array, tuple[jax.Array, ...]]:

@@ -32,6 +32,7 @@ SLOW_FILES = (
     "tests/test_train_mesh.py",  # ~90
     "tests/test_pipelines.py",  # ~90
     "tests/test_train_step.py",  # ~85
+    "tests/test_train_lora.py",  # ~70
     "tests/test_controlnet_pipelines.py",  # ~70
     "tests/test_inpaint.py",  # ~70
     "tests/test_train_vae.py",  # ~70
@@ -43,7 +44,6 @@ SLOW_FILES = (
     "tests/test_schedulers_parity.py",  # ~35
     "tests/test_train_checkpoint.py",  # ~30
     "tests/test_prompts_file.py",  # ~25
-    "tests/test_train_lora.py",  # ~25
 )
 
 

@@ -122,7 +122,8 @@ BAD_VALUES = [
     ("text_to_image", ["--lora_alpha", "8"], "--rank must be at least 1, got None"),
     ("text_to_image", ["--rank", "4", "--lora_alpha", "0"], "--lora_alpha must be positive"),
     ("text_to_image", ["--rank", "4", "--export_format", "diffusers"], "pytorch_lora_weights.safetensors"),
-    ("text_to_image", ["--train_text_encoder"], "the text encoders stay frozen"),
+    ("text_to_image", ["--train_text_encoder"], "--train_text_encoder trains LoRA adapters on the text encoders: give --rank"),
+    ("pix2pix", ["--train_text_encoder"], "unrecognized arguments: --train_text_encoder"),
     ("pix2pix", ["--rank", "4"], "unrecognized arguments: --rank"),
 ]
 
@@ -142,6 +143,8 @@ def test_lora_script_is_text_to_image_with_a_rank():
         "text_to_image", 4, None, "sd-model-finetuned-lora", 512)
     assert config.parse("text_to_image", base + ["--rank", "4", "--output_dir", "sd-model-finetuned-lora"]) == c
     assert config.parse("text_to_image", base).rank is None  # the whole UNet
+    assert not c.train_text_encoder and config.parse("text_to_image", base + ["--train-text-encoder"],
+                                                     lora=True).train_text_encoder
     run = models.computes(config.parse("text_to_image", base + ["--mixed_precision", "bf16"], lora=True))
     assert run["unet"].param_dtype == run["unet"].dtype == jax.numpy.bfloat16  # frozen weights in the compute dtype
     assert models.computes(config.parse("text_to_image", base + ["--mixed_precision", "bf16"]))["unet"].param_dtype == \

@@ -1,6 +1,7 @@
 """python -m train.text_to_image_lora end to end on the tiny SD model: it trains the adapters alone, resumes
 bit-identical, and writes a LoRA file that sdx's `--lora` and diffusers' load_lora_weights read to the same
-UNet, whose images are the ones its validations drew."""
+UNet, whose images are the ones its validations drew; with --train_text_encoder (tiny SDXL) the same for the
+UNet and both text encoders."""
 
 from __future__ import annotations
 
@@ -68,16 +69,71 @@ def test_lora_trains_resumes_exactly_and_its_file_loads_in_sdx_and_diffusers(tmp
     assert not np.array_equal(grid, np.asarray(Image.open(a / "validation" / "step-000002.png")))
 
     # diffusers: load_lora_weights (the folder's pytorch_lora_weights.safetensors) + fuse_lora, the same UNet
-    convert_lib.convert(model, tmp_path / "diffusers", fmt="diffusers", log=lambda _m: None)
-    pipe = diffusers.DiffusionPipeline.from_pretrained(tmp_path / "diffusers")
-    pipe.load_lora_weights(str(a))
+    changed = _same_as_diffusers(model, merged, a, tmp_path / "diffusers", ("unet",))
+    assert changed == {"unet": 32}  # each adapted projection's weight, nothing else
+
+
+def test_text_encoder_lora_trains_resumes_from_cached_ids_and_loads_in_sdx_and_diffusers(tmp_path, demo_models):
+    """--train_text_encoder on tiny_xl: the file holds adapters of both text encoders beside the UNet's, all
+    trained; a run resumed at step 2 with --cache_latents (token ids cached, the encoders run in the step)
+    goes on as the uncached run did; the file through sdx's --lora and through diffusers' load_lora_weights
+    + fuse_lora gives the same UNet and text encoders, and --lora's image is the last validation's."""
+    model = demo_models("tiny_xl")
+    data = shapes.write_dataset(tmp_path / "captions", "captions", count=8, seed=0, size=32)
+    a, b = tmp_path / "a", tmp_path / "b"
+    extra = ("--train_text_encoder", "--proportion_empty_prompts", "0.25", "--validation_steps", "4")
+    assert text_to_image_lora.train(_argv(model, data, a, *extra)) == 0
+    arrays = load_file(a / export.LORA_FILE)
+    # every adapter trained, but those of the first encoder's last layer: SDXL reads its next-to-last hidden state
+    last = "text_encoder.text_model.encoder.layers.1."
+    for prefix, count in (("unet.", 64), ("text_encoder.text_model.", 8), ("text_encoder_2.text_model.", 8)):
+        ups = {k: v for k, v in arrays.items() if k.startswith(prefix) and k.endswith("lora_B.weight")}
+        assert len(ups) == count, prefix
+        assert all((np.abs(v).max() > 0) != k.startswith(last) for k, v in ups.items()), prefix
+    assert len(arrays) == 2 * (64 + 8 + 8)
+
+    (b / "checkpoints").mkdir(parents=True)
+    shutil.copytree(a / "checkpoints" / "2", b / "checkpoints" / "2")
+    assert text_to_image_lora.train(_argv(model, data, b, *extra, "--cache_latents", "--resume_from_checkpoint",
+                                          "latest")) == 0
+    cached = sorted(p.name for p in (b / "cache" / "process-0").glob("*.npy"))
+    assert cached == ["ids.npy", "moments.npy", "rows.npy", "time_ids.npy", "valid.npy"]
+    np.testing.assert_allclose(_losses(b), _losses(a)[2:], rtol=1e-5)
+    for k, v in load_file(b / export.LORA_FILE).items():
+        np.testing.assert_allclose(v, arrays[k], rtol=0, atol=1e-6, err_msg=k)
+
+    lora_file = a / export.LORA_FILE
+    merged = resolve_model(str(model), dtype="float32", cache=tmp_path / "cache", log=lambda _m: None,
+                           options=ModelOptions.from_args(lora=[str(lora_file)]))
+    out = Pipeline.load(merged)(Request(prompts=[PROMPT], height=32, width=32, steps=2, num_images_per_prompt=1,
+                                        seed=0, guidance_scale=5.0))
+    grid = np.asarray(Image.open(a / "validation" / "step-000004.png"))
+    assert np.abs((out[0] * 255).round().astype(int) - grid).max() <= 1
+    changed = _same_as_diffusers(model, merged, a, tmp_path / "diffusers", ("unet", "text_encoder", "text_encoder_2"))
+    assert changed == {"unet": 64, "text_encoder": 4, "text_encoder_2": 8}  # the trained projections
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _same_as_diffusers(model: Path, merged: Path, lora_dir: Path, folder: Path, components) -> dict[str, int]:
+    """diffusers' pipeline of `model` with `lora_dir`'s file loaded (load_lora_weights) and fused: each of
+    `components` equal to sdx's `merged` folder (--lora) to 1e-6. Returns {component: weights the LoRA
+    changed}."""
+    convert_lib.convert(model, folder, fmt="diffusers", log=lambda _m: None)
+    pipe = diffusers.DiffusionPipeline.from_pretrained(folder)
+    pipe.load_lora_weights(str(lora_dir))
     pipe.fuse_lora()
     pipe.unload_lora_weights()
-    theirs = {k: v.numpy() for k, v in pipe.unet.state_dict().items()}
-    ours, before = model_folder.torch_state(merged, "unet"), model_folder.torch_state(model, "unet")
-    assert theirs.keys() == ours.keys()
-    changed = 0
-    for k, w in ours.items():
-        np.testing.assert_allclose(theirs[k], w, rtol=0, atol=1e-6, err_msg=k)
-        changed += not np.array_equal(w, before[k])
-    assert changed == 32  # each adapted projection's weight, nothing else
+    plain = lambda state: {k.removeprefix("text_model."): np.asarray(v) for k, v in state.items()
+                           if not k.endswith("position_ids")}  # transformers 5 has no text_model level
+    changed = {}
+    for name in components:
+        theirs = plain({k: v.numpy() for k, v in getattr(pipe, name).state_dict().items()})
+        ours, before = plain(model_folder.torch_state(merged, name)), plain(model_folder.torch_state(model, name))
+        assert theirs.keys() == ours.keys(), name
+        for k, w in ours.items():
+            np.testing.assert_allclose(theirs[k], w, rtol=0, atol=1e-6, err_msg=f"{name}: {k}")
+        changed[name] = sum(not np.array_equal(w, before[k]) for k, w in ours.items())
+    return changed

@@ -4,6 +4,8 @@ loop's step is kept by `pipelines.executables`, keyed by its settings, and read 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from flax import nnx
 from pipelines import executables
 from pipelines.family import Family
 from sdx import mesh as meshlib
-from sdx import lora, schedulers, unet as U, weights as W
+from sdx import clip, lora, schedulers, unet as U, weights as W
 from sdx.vae import VAEConfig
 from train import denoise, objective
 from train import ema as emalib
@@ -24,6 +26,7 @@ from train import step as steplib
 
 torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
+transformers = pytest.importorskip("transformers")
 
 XL_UNET = dict(
     block_out_channels=[32, 64], layers_per_block=1, down_block_types=["DownBlock2D", "CrossAttnDownBlock2D"],
@@ -35,14 +38,14 @@ SCHED = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, 
 VAE = VAEConfig(scaling_factor=0.13025, latent_channels=4, block_out_channels=(32,), norm_num_groups=8)
 
 
-def _models(in_channels: int, seed: int = 0):
+def _models(in_channels: int, seed: int = 0, config=XL_UNET):
     torch.manual_seed(seed)
-    ref = diffusers.UNet2DConditionModel(**XL_UNET, in_channels=in_channels)
+    ref = diffusers.UNet2DConditionModel(**config, in_channels=in_channels)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    cfg = U.UNetConfig.from_diffusers_config({**XL_UNET, "in_channels": in_channels})
+    cfg = U.UNetConfig.from_diffusers_config({**config, "in_channels": in_channels})
     state = {k: v.numpy() for k, v in ref.state_dict().items()}
     model = W.load_torch_state(W.abstract(lambda r: U.UNet2DConditionModel(cfg, rngs=r)), state, where="test")
     return ref, model
@@ -87,9 +90,11 @@ def _loss_config(case) -> denoise.DenoiseConfig:
     )
 
 
-def _reference_loss(ref, case, batch, keys) -> torch.Tensor:
+def _reference_loss(ref, case, batch, keys, conditioning=None) -> torch.Tensor:
     """diffusers' training loss of `ref` (train_text_to_image.py / train_instruct_pix2pix.py) for `batch`, with
-    the draws sdx's loss takes from `keys` (latent sample, noise, timesteps, dropout)."""
+    the draws sdx's loss takes from `keys` (latent sample, noise, timesteps, dropout). conditioning: the
+    dropped samples (bool numpy [B]) -> (context, pooled or None) in torch (default: the batch's, NULL where
+    dropped)."""
     cfg = _loss_config(case)
     latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
     noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
@@ -104,13 +109,17 @@ def _reference_loss(ref, case, batch, keys) -> torch.Tensor:
     tt = torch.from_numpy(np.array(t)).long()
     x0, eps = _nchw(latents), _nchw(noise)
     noisy = ts.add_noise(x0, _nchw(noise_in), tt)
-    dt = torch.from_numpy(np.array(drop_text))
-    ctx = torch.where(dt[:, None, None], torch.from_numpy(NULL["context"]), torch.from_numpy(batch["context"]))
-    pooled = torch.where(dt[:, None], torch.from_numpy(NULL["pooled"]), torch.from_numpy(batch["pooled"]))
+    if conditioning is None:
+        dt = torch.from_numpy(np.array(drop_text))
+        ctx = torch.where(dt[:, None, None], torch.from_numpy(NULL["context"]), torch.from_numpy(batch["context"]))
+        pooled = torch.where(dt[:, None], torch.from_numpy(NULL["pooled"]), torch.from_numpy(batch["pooled"]))
+    else:
+        ctx, pooled = conditioning(np.array(drop_text))
     if case["pix2pix"]:
         keep = 1.0 - torch.from_numpy(np.array(drop_image)).float()
         noisy = torch.cat([noisy, _nchw(batch["image_latents"]) * keep[:, None, None, None]], dim=1)
-    pred = ref(noisy, tt, ctx, added_cond_kwargs={"text_embeds": pooled, "time_ids": torch.from_numpy(batch["time_ids"])}).sample
+    added = None if pooled is None else {"text_embeds": pooled, "time_ids": torch.from_numpy(batch["time_ids"])}
+    pred = ref(noisy, tt, ctx, added_cond_kwargs=added).sample
     target = eps if case["prediction_type"] == "epsilon" else ts.get_velocity(x0, eps, tt)
     if case["snr_gamma"] is None:
         return torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="mean")
@@ -166,18 +175,7 @@ def test_lora_loss_and_gradients_match_peft():
     ref.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian", target_modules=list(lora.TARGETS)))
     count = lora.attach(model, 4, 8.0, jax.random.key(5))
     assert count == sum(1 for m in ref.modules() if hasattr(m, "lora_A")) > 0
-    adapters, g = nnx.state(model, lora.LoRAParam), torch.Generator().manual_seed(7)
-    theirs = {}
-    for path, _ in nnx.to_flat_state(adapters):
-        if path[-1] != "up":
-            continue
-        layer = ref.get_submodule(".".join(map(str, path[:-2])))
-        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-        with torch.no_grad():
-            b.copy_(0.1 * torch.randn(b.shape, generator=g))
-        theirs[path[:-1] + ("down",)], theirs[path] = a, b
-    nnx.update(model, nnx.from_flat_state([(p, jnp.asarray(w.detach().numpy().T)) for p, w in theirs.items()]))
-    assert all(w.requires_grad for w in theirs.values())
+    theirs = _shared_adapters(model, lambda path: ref.get_submodule(".".join(map(str, path))))
 
     batch = _batch(6, False)
     keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
@@ -197,6 +195,126 @@ def test_lora_loss_and_gradients_match_peft():
     assert errors.keys() == theirs.keys()
     print("largest relative gradient error", max(errors.values()))
     assert max(errors.values()) < 1e-4, errors
+
+
+SD_UNET = {k: v for k, v in XL_UNET.items() if k not in ("addition_embed_type", "addition_time_embed_dim",
+                                                             "projection_class_embeddings_input_dim")}
+# family -> the UNet's config and each text encoder's (hidden size, projection): SDXL's context is both
+# encoders' hidden states side by side (16 + 16 = the UNet's 32) and its pooled embedding the second's projection
+TEXT_CASES = {"sdxl": (XL_UNET, ((16, None), (16, 16))), "sd": (SD_UNET, ((32, None),))}
+
+
+def _text_encoder(hidden: int, projection: int | None, seed: int):
+    """(transformers' CLIP text model with every parameter perturbed, sdx's with the same weights)."""
+    from tests.helpers_text import perturbed_clip
+
+    hf = transformers.CLIPTextConfig(vocab_size=49408, hidden_size=hidden, intermediate_size=2 * hidden,
+                                     num_hidden_layers=2, num_attention_heads=2, projection_dim=projection or hidden,
+                                     eos_token_id=49407, bos_token_id=49406, pad_token_id=1)
+    ref, state = perturbed_clip(hf, with_projection=projection is not None, seed=seed)
+    cfg = clip.TextEncoderConfig.from_diffusers_config(hf.to_dict() | {"architectures": [type(ref).__name__]})
+    model = W.load_torch_state(W.abstract(lambda r: clip.CLIPTextModel(cfg, rngs=r)),
+                               clip.transformers_state(state, where="test"), where="test")
+    return ref, model
+
+
+@pytest.mark.parametrize("family", TEXT_CASES)
+def test_text_encoder_lora_loss_and_gradients_match_peft(family):
+    """--train_text_encoder: peft's adapters on the text encoders' q_proj, k_proj, v_proj and out_proj (as
+    train_text_to_image_lora_sdxl.py adds them) and on the UNet, the text encoded from token ids inside the
+    step, against sdx's (the UNet and the encoders one module, `denoise` with `text_dtype`): the same loss and
+    the gradient of every adapter, the encoders' included, in float32. A dropped caption: SDXL's zeros after
+    encoding (force_zeros_for_empty_prompt); SD's empty prompt's ids through the adapted encoder (diffusers'
+    "" caption), which a frozen null context would miss. SDXL's case rematerialises the UNet's blocks and the
+    encoders' layers (--gradient_checkpointing)."""
+    from peft import LoraConfig
+    from tests.helpers_text import random_ids
+
+    unet_config, encoder_shapes = TEXT_CASES[family]
+    xl = family == "sdxl"
+    case = CASES[1]  # v-prediction, min-SNR, offset noise, input perturbation, half the captions dropped
+    ref, unet = _models(4, config=unet_config)
+    refs, models = {"unet": ref}, {"unet": unet}
+    names = ("text_encoder", "text_encoder_2")[:len(encoder_shapes)]
+    for i, (name, (hidden, projection)) in enumerate(zip(names, encoder_shapes)):
+        refs[name], models[name] = _text_encoder(hidden, projection, seed=10 + i)
+    for name, r in refs.items():
+        r.requires_grad_(False)
+        r.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                 target_modules=list(lora.TARGETS if name == "unet" else lora.TEXT_TARGETS)))
+        lora.attach(models[name], 4, 8.0, jax.random.key(5), targets=lora.TARGETS if name == "unet" else lora.TEXT_TARGETS)
+    if xl:  # --gradient_checkpointing: the UNet's blocks and the encoders' layers rematerialised
+        unet.remat = True
+        for name in names:
+            models[name].text_model.encoder.remat = True
+    module = nnx.Dict(models)
+
+    def layer_of(path):  # transformers 5's CLIPTextModel has no text_model level (WithProjection has)
+        r, name = refs[path[0]], ".".join(map(str, path[1:]))
+        return r.get_submodule(name if hasattr(r, "text_model") else name.removeprefix("text_model."))
+
+    theirs = _shared_adapters(module, layer_of)
+    assert {p[0] for p in theirs} == set(refs)
+
+    batch = {k: v for k, v in _batch(6, False).items() if k not in ("context", "pooled")}
+    pads = (49407, 0)  # SDXL's first tokenizer pads with EOS, its second with "!"
+    batch["ids"] = np.stack([random_ids(6, pad_id=pads[j], seed=20 + j) for j in range(len(names))], axis=1)  # (B, E, 77)
+    empty = np.full((len(names), 77), 49407, np.int32)  # "": BOS, then EOS padded with EOS
+    empty[:, 0] = 49406
+    fam = Family(xl=xl, pix2pix=False, aesthetic=False, encoders=names, force_zeros=xl)
+    null = {"context": np.zeros((77, 32), np.float32), "pooled": np.zeros((16,), np.float32)} if xl else {"ids": empty}
+    cfg = dataclasses.replace(_loss_config(case), family=fam, text_dtype="float32")
+    graphdef, params, base = nnx.split(module, lora.LoRAParam, ...)
+    fn, constants = steplib.trained_in_part(denoise.loss_fn(graphdef, cfg), jax.tree.map(jnp.asarray, null), base)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys,
+                                                                     constants)
+
+    def conditioning(dropped):
+        ids = torch.from_numpy(batch["ids"]).long()
+        drop = torch.from_numpy(dropped)
+        if not xl:
+            ids = torch.where(drop[:, None, None], torch.from_numpy(empty).long()[None], ids)
+        outs = [refs[n](ids[:, j], output_hidden_states=True) for j, n in enumerate(names)]
+        if not xl:
+            return outs[0].last_hidden_state, None
+        keep = (~drop).float()
+        context = torch.cat([o.hidden_states[-2] for o in outs], dim=-1) * keep[:, None, None]
+        return context, outs[1].text_embeds * keep[:, None]
+
+    ref_loss = _reference_loss(ref, case, batch, keys, conditioning)
+    ref_loss.backward()
+
+    print("loss", float(loss), ref_loss.item())
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=2e-5)
+    ours = {p: np.asarray(v.get_value()).T for p, v in nnx.to_flat_state(grads)}
+    assert ours.keys() == theirs.keys()
+    # SDXL reads the first encoder's next-to-last hidden state: its last layer has no gradient on either side
+    unused = {p for p, w in theirs.items() if w.grad is None}
+    assert {p[:4] for p in unused} == ({("text_encoder", "text_model", "encoder", "layers")} if xl else set())
+    assert all(p[4] == 1 and not ours[p].any() for p in unused)
+    errors = {p: _relative_error(ours[p], theirs[p].grad) for p in ours if p not in unused}
+    for name in refs:
+        print(name, "largest relative gradient error", max(e for p, e in errors.items() if p[0] == name))
+    assert max(errors.values()) < 1e-4, errors
+
+
+def _shared_adapters(model: nnx.Module, layer_of, seed: int = 7) -> dict:
+    """peft's adapters copied into sdx's adapters on `model` (each lora_B drawn random first, not peft's
+    zeros, so that every adapter has a gradient): {sdx adapter weight path: peft's weight}. layer_of(path):
+    the torch layer of the sdx layer at `path` (a tuple)."""
+    g, theirs = torch.Generator().manual_seed(seed), {}
+    for path, _ in nnx.to_flat_state(nnx.state(model, lora.LoRAParam)):
+        if path[-1] != "up":
+            continue
+        layer = layer_of(path[:-2])
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        with torch.no_grad():
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
+        theirs[path[:-1] + ("down",)], theirs[path] = a, b
+    nnx.update(model, nnx.from_flat_state([(p, jnp.asarray(w.detach().numpy().T)) for p, w in theirs.items()]))
+    assert all(w.requires_grad for w in theirs.values())
+    return theirs
 
 
 def _step(model, batch, accumulation):

@@ -7,7 +7,8 @@ produced from disk instead of decoding images and running the encoders at every 
 
 What is stored is exactly what the uncached step computes before its loss (`encode_batch`): the VAE
 posterior's moments (mean and log-variance, not a sample), the InstructPix2Pix input image's latents,
-the text embeddings (context; SDXL's pooled embedding) and SDXL's time ids. The posterior is sampled in
+the text embeddings (context; SDXL's pooled embedding; under `--train_text_encoder`, whose encoders run
+in the step, the token ids instead) and SDXL's time ids. The posterior is sampled in
 the step from the cached moments with each sample's own key, as without the cache, so a cached run draws
 what an uncached one draws and trains on the same numbers (up to the float rounding of encoding in other
 batches). The data stream (shuffling, per-host shards, skipped unreadable rows, the saved position) is
@@ -27,7 +28,7 @@ dataset, model, transform, dtype; a cache whose manifest differs from this run's
 matches is reused, so a resumed run encodes nothing), `valid.npy` / `rows.npy` (whether each dataset
 position could be read, and its row), and one `.npy` file per stored array, memory-mapped: per image
 variant `[positions * variants, ...]` (moments, image_latents, time_ids), per row `[positions, ...]`
-(context, pooled). A step reads only its samples' rows; the dataset is never held in memory. The folder
+(context, pooled, ids). A step reads only its samples' rows; the dataset is never held in memory. The folder
 is written under a temporary name and renamed into place when complete.
 """
 
@@ -50,7 +51,7 @@ from train import data
 
 FORMAT = "sdx.train.cache/1"
 MANIFEST = "manifest.json"
-PER_ROW = ("context", "pooled")  # text: the same for both flips of a row
+PER_ROW = ("context", "pooled", "ids")  # text: the same for both flips of a row
 UNREADABLE_LOGGED = 10
 
 

@@ -61,7 +61,6 @@ UNSUPPORTED = {
     "vae_precision": "the VAE runs in float32",
     "crops_coords_top_left_h": "SDXL crop conditioning is the crop actually applied to each image",
     "crops_coords_top_left_w": "SDXL crop conditioning is the crop actually applied to each image",
-    "train_text_encoder": "the text encoders stay frozen (LoRA adapters go on the UNet only)",
 }
 
 # diffusers flags (store_true) that change nothing sdx computes: accepted, ignored with a note.
@@ -125,6 +124,7 @@ class TrainConfig:
     # LoRA (text-to-image): adapters of this rank on the UNet's attention projections instead of the whole UNet
     rank: int | None = None
     lora_alpha: float | None = None  # None: the rank (scale 1, as diffusers' LoRA scripts)
+    train_text_encoder: bool = False  # LoRA: adapters on the text encoders' attention projections too
     # objective
     prediction_type: str | None = None
     snr_gamma: float | None = None
@@ -249,6 +249,8 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
             type=int)
         opt("lora_alpha", "LoRA: the adapters' alpha; they add alpha / rank x their product (default: the rank)",
             type=float)
+        _bool(p, "train_text_encoder", "LoRA: also train adapters on the text encoders' attention projections "
+              "(q_proj, k_proj, v_proj, out_proj), written into the same file; the encoders then run in every step")
 
     if task != "vae":
         opt("prediction_type", "training target (default: the model's scheduler config)", choices=PREDICTION_TYPES)
@@ -391,5 +393,8 @@ def check(c: TrainConfig) -> None:
         if c.export_format != "sdx":
             raise SdxError(f"--export_format {c.export_format}: a LoRA run writes diffusers' "
                            "pytorch_lora_weights.safetensors, which diffusers and sdx both read; drop the flag")
+    if c.train_text_encoder and c.rank is None:
+        raise SdxError("--train_text_encoder trains LoRA adapters on the text encoders: give --rank (or run "
+                       "python -m train.text_to_image_lora); whole text encoders are not fine-tuned")
     if c.task == "pix2pix" and c.validation_prompt and not c.val_image_url_or_path:
         raise SdxError("--validation_prompt needs --val_image_url_or_path (the image to edit) for pix2pix")

@@ -8,6 +8,11 @@ stores exactly these arrays, so a cached and an uncached run train on the same n
 The loss (`loss_fn`) then draws, from each sample's own key: the posterior sample, the noise (offset
 noise and input perturbation included), the timestep and the conditioning dropout, and returns the
 (min-SNR weighted) float32 MSE between the UNet's prediction and the target of `prediction_type`.
+
+`--train_text_encoder` (LoRA adapters on the text encoders too): the encoders are trained, so they run
+inside the loss on the batch's token ids, and `encode_batch` passes the ids through instead. A dropped
+caption is then the empty prompt's ids encoded by the same adapted encoders (diffusers' empty captions),
+or, for a model that uses zeros for no prompt (SDXL's force_zeros_for_empty_prompt), zeros as before.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from train import objective
 @dataclasses.dataclass(frozen=True)
 class DenoiseConfig:
     """The static part of the loss. text_drop: probability of the null text (text-to-image's
-    proportion_empty_prompts); conditioning_dropout: InstructPix2Pix's p (text, image, both)."""
+    proportion_empty_prompts); conditioning_dropout: InstructPix2Pix's p (text, image, both); text_dtype:
+    the text encoders' compute dtype when they train (run in the loss), None when the batch holds their
+    output."""
 
     family: Family
     scheduler: Scheduler
@@ -41,21 +48,30 @@ class DenoiseConfig:
     input_perturbation: float = 0.0
     text_drop: float = 0.0
     conditioning_dropout: float = 0.0
+    text_dtype: str | None = None
 
 
-def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module], batch: Mapping[str, jax.Array], dtype):
+def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None, batch: Mapping[str, jax.Array],
+                 dtype):
     """Pixels and token ids -> what the loss reads (frozen models, no gradients).
 
     batch: "pixels" (B, H, W, 3) in [-1, 1] (pix2pix: "edited_pixels" and "original_pixels"), "ids"
     {encoder: (B, 1, 77)}, "time_ids" (B, 6) for SDXL, "index" (B,). Returns "moments" (B, h, w, 2C),
     "context" (B, 77, D), "pooled" (B, P) (SDXL), "time_ids", "image_latents" (B, h, w, C) (pix2pix), "index".
+    encoders None (they train, `DenoiseConfig.text_dtype`): "ids" (B, E, 77), each encoder's in
+    `family.encoders` order, instead of "context" and "pooled".
     """
     target = batch["edited_pixels"] if family.pix2pix else batch["pixels"]
     dist = vae.encode(target)
     out = {"moments": jnp.concatenate([dist.mean, dist.logvar], axis=-1), "index": batch["index"]}
-    out["context"], pooled = textlib.encode(family, encoders, batch["ids"], None, dtype)
+    if encoders is None:
+        out["ids"] = jnp.concatenate([batch["ids"][e] for e in family.encoders], axis=1)  # (B, E, 77)
+    else:
+        out["context"], pooled = textlib.encode(family, encoders, batch["ids"], None, dtype)
+        if family.xl:
+            out["pooled"] = pooled
     if family.xl:
-        out["pooled"], out["time_ids"] = pooled, batch["time_ids"]
+        out["time_ids"] = batch["time_ids"]
     if family.pix2pix:
         image = vae.encode(batch["original_pixels"]).mode()
         out["image_latents"] = image * vae.config.scaling_factor if family.scaled_image_latents else image
@@ -65,18 +81,25 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module], batch:
 def loss_fn(graphdef, cfg: DenoiseConfig) -> functools.partial:
     """(params, batch, keys, null) -> (loss, {}) for `train.step`; `null` (the step's constants): the null
     text conditioning {"context": (77, D), "pooled": (P,)} the pipeline uses without a (negative) prompt. A
-    partial of module functions and values, so a compiled step is keyed by it (`pipelines.executables`)."""
+    partial of module functions and values, so a compiled step is keyed by it (`pipelines.executables`).
+
+    graphdef: the UNet's; with `cfg.text_dtype`, an nnx.Dict's of "unet" and each of `family.encoders`,
+    and `null` is {"ids": (E, 77)}, the empty prompt's ids, unless the family uses zeros for no prompt."""
     return functools.partial(_loss, graphdef, cfg)
 
 
 def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     sched = cfg.scheduler
-    unet = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params)
     latents = objective.sample_latents(keys, batch["moments"], cfg.vae)
     noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
     t = objective.timesteps(keys, sched.num_train_timesteps)
     noisy = training.add_noise(sched, latents, noise_in, t)
-    cond = objective.mix_conditioning(*_dropout(cfg, keys), batch, null)
+    drop_text, drop_image = _dropout(cfg, keys)
+    if cfg.text_dtype is None:
+        unet, cond = model, objective.mix_conditioning(drop_text, drop_image, batch, null)
+    else:
+        unet, cond = model["unet"], _encoded(cfg, model, batch, drop_text, null)
     added = {"text_embeds": cond["pooled"], "time_ids": batch["time_ids"]} if cfg.family.xl else None
     model_in = noisy
     if cfg.family.pix2pix:
@@ -94,3 +117,16 @@ def _dropout(cfg: DenoiseConfig, keys):
     if cfg.family.pix2pix:
         return objective.conditioning_dropout(keys, cfg.conditioning_dropout)
     return objective.empty_prompt(keys, cfg.text_drop), None
+
+
+def _encoded(cfg: DenoiseConfig, models, batch, drop_text, null):
+    """The conditioning of the batch's token ids "ids" (B, E, 77) through the trained encoders `models`; a
+    dropped caption is the empty prompt's ids null["ids"] (E, 77), or zeros after encoding (force_zeros)."""
+    fam, ids = cfg.family, batch["ids"]
+    if not fam.force_zeros:
+        ids = jnp.where(drop_text[:, None, None], null["ids"][None].astype(ids.dtype), ids)
+    per_encoder = {e: ids[:, j, None] for j, e in enumerate(fam.encoders)}  # (B, 1, 77) each
+    context, pooled = textlib.encode(fam, {e: models[e] for e in fam.encoders}, per_encoder, None,
+                                     jnp.dtype(cfg.text_dtype))
+    cond = {**batch, "context": context} | ({} if pooled is None else {"pooled": pooled})
+    return objective.mix_conditioning(drop_text, None, cond, null) if fam.force_zeros else cond

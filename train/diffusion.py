@@ -13,6 +13,9 @@ LoRA (`--rank`, `python -m train.text_to_image_lora`): adapters (`sdx.lora`) on 
 projections train, drawn from `--seed`; the UNet's own weights stay frozen in the step's constants. Each
 validation samples the UNet with the adapters fused into it, as the sampler's `--lora` does, and the run
 writes the adapters alone, `pytorch_lora_weights.safetensors` in diffusers' layout, into --output_dir.
+With `--train_text_encoder`, each text encoder's attention projections get adapters too (drawn from
+their own streams of `--seed`): the trained module is then the UNet and the encoders together, the
+encoders run in the loss (`train.denoise`), and the file holds their adapters beside the UNet's.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pipelines import text as textlib
 from pipelines.guidance import null_conditioning
 from pipelines.pipeline import NonFiniteImages, Pipeline, _trained_size
 from pipelines.sampler import Sampler
@@ -55,33 +59,43 @@ class DiffusionTask:
         self.cfg, self.mesh, self.log = cfg, mesh, log
         self.folder = models.resolve_folder(cfg, log)
         m = self.models = models.load(cfg, mesh, folder=self.folder, log=log, restoring=restoring)
-        self.module = m.unet
+        fam = m.family
+        trained = {"unet": m.unet} | ({e: m.encoders[e] for e in fam.encoders} if cfg.train_text_encoder else {})
+        self.module = nnx.Dict(trained) if cfg.train_text_encoder else m.unet
         self.trainable = nnx.Param
         if cfg.rank:
             self.trainable = lora.LoRAParam
-            key = jax.random.fold_in(jax.random.key(cfg.seed), LORA_STREAM)
-            count = lora.attach(m.unet, cfg.rank, cfg.lora_alpha or cfg.rank, key, sharding=meshlib.replicated(mesh))
-            size = sum(x.size for x in jax.tree.leaves(nnx.state(m.unet, lora.LoRAParam)))
-            log(f"unet: LoRA adapters of rank {cfg.rank} on {count} attention projections ({size:,} parameters)")
-        fam = m.family
+            for j, (name, model) in enumerate(trained.items()):  # the UNet's stream LORA_STREAM, encoder j's + 1 + j
+                key = jax.random.fold_in(jax.random.key(cfg.seed), LORA_STREAM + j)
+                count = lora.attach(model, cfg.rank, cfg.lora_alpha or cfg.rank, key,
+                                    targets=lora.TARGETS if name == "unet" else lora.TEXT_TARGETS,
+                                    sharding=meshlib.replicated(mesh))
+                size = sum(x.size for x in jax.tree.leaves(nnx.state(model, lora.LoRAParam)))
+                log(f"{name}: LoRA adapters of rank {cfg.rank} on {count} attention projections ({size:,} parameters)")
+        text_dtype = models.computes(cfg)["text"].dtype
         sched = schedulers.from_name("ddpm", m.scheduler_config)
         prediction_type = cfg.prediction_type or sched.prediction_type
         self.loss_config = denoise.DenoiseConfig(
             family=fam, scheduler=sched, vae=m.vae.config, prediction_type=prediction_type,
             snr_gamma=cfg.snr_gamma, noise_offset=cfg.noise_offset, input_perturbation=cfg.input_perturbation,
             text_drop=cfg.proportion_empty_prompts, conditioning_dropout=cfg.conditioning_dropout_prob or 0.0,
+            text_dtype=str(jnp.dtype(text_dtype)) if cfg.train_text_encoder else None,
         )
         self.prediction_type = prediction_type
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
                                         random_flip=cfg.random_flip, seed=cfg.seed,
                                         tokenize=tokenizer_fn(fam, m.tokenizers))
-        text_dtype = models.computes(cfg)["text"].dtype
         self.constants = null_conditioning(fam, m.encoders, m.tokenizers, text_dtype)  # the loss's `null`
-        graphdef, self._frozen = nnx.split(nnx.Dict({"vae": m.vae, **m.encoders}))
+        if cfg.train_text_encoder and not fam.force_zeros:  # "" through the trained encoders, in the loss
+            ids = textlib.tokenize(fam, m.tokenizers, [[""]] * len(fam.encoders), chunks=None)
+            self.constants = {"ids": np.concatenate([ids[e][0] for e in fam.encoders])}  # (E, 77)
+        frozen = {} if cfg.train_text_encoder else m.encoders
+        graphdef, self._frozen = nnx.split(nnx.Dict({"vae": m.vae, **frozen}))
 
         def encode(frozen, batch):
             mods = nnx.merge(graphdef, frozen)
-            out = denoise.encode_batch(fam, mods["vae"], {e: mods[e] for e in fam.encoders}, batch, text_dtype)
+            encoders = None if cfg.train_text_encoder else {e: mods[e] for e in fam.encoders}
+            out = denoise.encode_batch(fam, mods["vae"], encoders, batch, text_dtype)
             # the step takes its batch split over every device; an fsdp-split encoder weight (SDXL's text
             # projection) would otherwise leave its output split over fsdp in its feature axis
             return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, meshlib.batch_sharding(mesh, x.ndim)), out)
@@ -106,7 +120,7 @@ class DiffusionTask:
                "text_column": source.columns.text, "max_train_samples": cfg.max_train_samples, "seed": cfg.seed,
                "model": identity(self.folder), "resolution": cfg.resolution, "center_crop": cfg.center_crop,
                "random_flip": cfg.random_flip, "text_dtype": str(jnp.dtype(models.computes(cfg)["text"].dtype)),
-               "family": repr(self.models.family)}
+               "family": repr(self.models.family), "text_ids": cfg.train_text_encoder}
         encode = lambda host: self._encode(self._frozen, meshlib.put_batch(self.mesh, self.host_arrays(host)))
         self.cache = cachelib.LatentCache.open_or_build(
             out / "cache" / f"process-{jax.process_index()}", source, self.transform, encode=encode,
@@ -142,15 +156,22 @@ class DiffusionTask:
     def loss_fn(self, graphdef):
         return denoise.loss_fn(graphdef, self.loss_config)
 
-    def validate(self, unet: nnx.Module, step: int, metrics) -> None:
+    def trained(self, module: nnx.Module) -> dict[str, nnx.Module]:
+        """{component: model} of the module the loop trains: the UNet, and the text encoders when they train."""
+        return dict(module.items()) if self.cfg.train_text_encoder else {"unet": module}
+
+    def validate(self, module: nnx.Module, step: int, metrics) -> None:
         cfg, m = self.cfg, self.models
+        trained = self.trained(module)
         if cfg.rank:
-            unet = lora.fused(unet)
+            trained = {name: lora.fused(model) for name, model in trained.items()}
+        unet = trained["unet"]
         factor = m.vae.config.downsample_factor
         if self._validation is None:
-            self._validation = Sampler({"unet": unet, "vae": m.vae, **m.encoders}, self.mesh)
+            self._validation = Sampler({"vae": m.vae, **m.encoders, **trained}, self.mesh)
         else:  # the programs the first validation compiled, with this step's weights
-            self._validation.update("unet", unet)
+            for name, model in trained.items():
+                self._validation.update(name, model)
         pipe = Pipeline(family=m.family, scheduler=schedulers.from_config(m.scheduler_config), tokenizers=m.tokenizers,
                         sampler=self._validation, factor=factor, multiple=factor, channels=m.vae.config.latent_channels,
                         default_size=_trained_size(unet.config.sample_size) * factor, name=f"{cfg.output_dir}@{step}")
@@ -168,16 +189,17 @@ class DiffusionTask:
             images = np.nan_to_num(e.images, nan=0.0, posinf=0.0, neginf=0.0)
         metrics.image(step, "validation", _grid((images * 255).round().astype(np.uint8), cfg.num_validation_images))
 
-    def export(self, unet: nnx.Module, out: Path) -> None:
+    def export(self, module: nnx.Module, out: Path) -> None:
         m = self.models
         if self.cfg.rank:  # the adapters are replicated: process 0 reads them alone
             if jax.process_index() == 0:
-                export.write_lora(out, lora.state_dict(unet), base=self.cfg.pretrained_model_name_or_path,
-                                  log=self.log)
+                arrays = {k: v for name, model in self.trained(module).items()
+                          for k, v in lora.state_dict(model, prefix=name).items()}
+                export.write_lora(out, arrays, base=self.cfg.pretrained_model_name_or_path, log=self.log)
             return
-        entry = m.spec["components"]["unet"]
-        part = model_folder.ModelPart(cls=entry["class"], config=unet.config,
-                                      arrays=model_folder.module_arrays(unet), source_config=m.unet_source_config)
+        entry = m.spec["components"]["unet"]  # a whole-UNet run: `module` is the UNet
+        part = model_folder.ModelPart(cls=entry["class"], config=module.config,
+                                      arrays=model_folder.module_arrays(module), source_config=m.unet_source_config)
         if jax.process_index() == 0:
             export.write_model(out, source=m.folder, spec=m.spec, pipeline_class=m.pipeline_class,
                                models={"unet": part}, export_format=self.cfg.export_format, log=self.log)

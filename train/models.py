@@ -67,9 +67,10 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
 def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
     """How each model runs on `mesh` (whose devices split the batch): the UNet trains in the compute dtype
     with float32 master weights (under LoRA, `--rank`, its frozen weights are kept in the compute dtype, as
-    diffusers' LoRA scripts keep them, and only the adapters are float32); without `--attention`, each model
-    takes the sampler's backend for its dtype (`chunked` on a CPU: benchmarks/README.md, a training step
-    0.73× the time of `xla`'s)."""
+    diffusers' LoRA scripts keep them, and only the adapters are float32); the text encoders run in the
+    compute dtype, their layers rematerialised under `--gradient_checkpointing` when they train; without
+    `--attention`, each model takes the sampler's backend for its dtype (`chunked` on a CPU:
+    benchmarks/README.md, a training step 0.73× the time of `xla`'s)."""
     dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
     shards = mesh.devices.size if mesh is not None else 1
     run = lambda d: dict(attention=cfg.attention or attention.default_backend(d), batch_shards=shards)
@@ -77,7 +78,8 @@ def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
         "unet": Compute(dtype=dtype, param_dtype=dtype if cfg.rank else jnp.float32, remat=cfg.gradient_checkpointing,
                         **run(dtype)),
         "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, **run(jnp.float32)),
-        "text": Compute(dtype=dtype, param_dtype=dtype, **run(dtype)),
+        "text": Compute(dtype=dtype, param_dtype=dtype, remat=cfg.gradient_checkpointing and cfg.train_text_encoder,
+                        **run(dtype)),
     }
 
 

@@ -2,6 +2,7 @@
 with diffusers' train_text_to_image_lora(_sdxl).py flags (`--rank`, default 4). It is
 `python -m train.text_to_image` with `--rank` given; the run writes `pytorch_lora_weights.safetensors`,
 which `python -m sdx.sample --model BASE --lora FILE` and diffusers' `load_lora_weights` read.
+`--train_text_encoder` puts adapters on the text encoders too (train_text_to_image_lora_sdxl.py's flag).
 
     python -m train.text_to_image_lora --pretrained_model_name_or_path stable-diffusion-v1-5 \\
         --dataset_name ./pokemon --caption_column text --resolution 512 --random_flip \\
