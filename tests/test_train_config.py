@@ -125,13 +125,40 @@ BAD_VALUES = [
     ("text_to_image", ["--train_text_encoder"], "--train_text_encoder trains LoRA adapters on the text encoders: give --rank"),
     ("pix2pix", ["--train_text_encoder"], "unrecognized arguments: --train_text_encoder"),
     ("pix2pix", ["--rank", "4"], "unrecognized arguments: --rank"),
+    ("dreambooth", ["--instance_data_dir", "i"], "DreamBooth needs --instance_data_dir"),
+    ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--with_prior_preservation"],
+     "--with_prior_preservation needs --class_data_dir"),
+    ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--num_class_images", "0"],
+     "--num_class_images must be at least 1"),
+    ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--prior_loss_weight", "-1"],
+     "--prior_loss_weight must not be negative"),
+    ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--train_text_encoder"],
+     "give --rank (or run python -m train.dreambooth_lora)"),
+    ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--offset_noise"], "--noise_offset 0.1"),
+    ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--caption_column", "t"],
+     "unrecognized arguments: --caption_column"),
+    ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--dataset_name", "d"],
+     "unrecognized arguments: --dataset_name"),
 ]
 
 
 @pytest.mark.parametrize("task, extra, words", BAD_VALUES)
 def test_bad_values_one_error_line(capsys, task, extra, words):
-    msg = _error(capsys, task, ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", *extra])
+    data = [] if task == "dreambooth" else ["--dataset_name", "d"]  # DreamBooth's data: --instance_data_dir
+    msg = _error(capsys, task, ["--pretrained_model_name_or_path", "m", *data, *extra])
     assert words in msg, msg
+
+
+def test_dreambooth_takes_diffusers_defaults():
+    """train_dreambooth.py's defaults, and train_dreambooth_lora.py's for `python -m train.dreambooth_lora`."""
+    base = ["--pretrained_model_name_or_path", "m", "--instance_data_dir", "i", "--instance_prompt", "sks"]
+    c = config.parse("dreambooth", base)
+    assert (c.learning_rate, c.train_batch_size, c.num_train_epochs, c.output_dir, c.resolution, c.rank) == (
+        5e-6, 4, 1, "text-inversion-model", 512, None)
+    assert (c.with_prior_preservation, c.prior_loss_weight, c.num_class_images, c.sample_batch_size) == (
+        False, 1.0, 100, 4)
+    c = config.parse("dreambooth", base, lora=True)
+    assert (c.learning_rate, c.rank, c.output_dir) == (5e-4, 4, "lora-dreambooth-model")
 
 
 def test_lora_script_is_text_to_image_with_a_rank():

@@ -90,11 +90,12 @@ def _loss_config(case) -> denoise.DenoiseConfig:
     )
 
 
-def _reference_loss(ref, case, batch, keys, conditioning=None) -> torch.Tensor:
+def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None) -> torch.Tensor:
     """diffusers' training loss of `ref` (train_text_to_image.py / train_instruct_pix2pix.py) for `batch`, with
     the draws sdx's loss takes from `keys` (latent sample, noise, timesteps, dropout). conditioning: the
     dropped samples (bool numpy [B]) -> (context, pooled or None) in torch (default: the batch's, NULL where
-    dropped)."""
+    dropped); reduce(pred, target, scheduler, timesteps) -> the loss (default: `_mse` of the case)."""
+    reduce = reduce or (lambda *a: _mse(*a, case["snr_gamma"], case["prediction_type"]))
     cfg = _loss_config(case)
     latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
     noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
@@ -121,13 +122,18 @@ def _reference_loss(ref, case, batch, keys, conditioning=None) -> torch.Tensor:
     added = None if pooled is None else {"text_embeds": pooled, "time_ids": torch.from_numpy(batch["time_ids"])}
     pred = ref(noisy, tt, ctx, added_cond_kwargs=added).sample
     target = eps if case["prediction_type"] == "epsilon" else ts.get_velocity(x0, eps, tt)
-    if case["snr_gamma"] is None:
+    return reduce(pred, target, ts, tt)
+
+
+def _mse(pred, target, ts, tt, snr_gamma, prediction_type) -> torch.Tensor:
+    """diffusers' train_text_to_image.py loss: the MSE, min-SNR weighted when snr_gamma is given."""
+    if snr_gamma is None:
         return torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="mean")
     from diffusers.training_utils import compute_snr  # as diffusers' train_text_to_image.py
 
     snr = compute_snr(ts, tt)
-    w = torch.stack([snr, 5.0 * torch.ones_like(tt)], dim=1).min(dim=1)[0]
-    w = w / snr if case["prediction_type"] == "epsilon" else w / (snr + 1)
+    w = torch.stack([snr, snr_gamma * torch.ones_like(tt)], dim=1).min(dim=1)[0]
+    w = w / snr if prediction_type == "epsilon" else w / (snr + 1)
     return (torch.nn.functional.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=[1, 2, 3]) * w).mean()
 
 
@@ -297,6 +303,42 @@ def test_text_encoder_lora_loss_and_gradients_match_peft(family):
     for name in refs:
         print(name, "largest relative gradient error", max(e for p, e in errors.items() if p[0] == name))
     assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.mark.parametrize("snr_gamma", [None, 5.0])
+def test_prior_preservation_loss_and_gradients_match_diffusers(snr_gamma):
+    """DreamBooth's --with_prior_preservation: a batch of 3 instance and 3 class samples, diffusers' loss
+    (train_dreambooth.py: the batch chunked in two, instance MSE + prior_loss_weight × class MSE; min-SNR on
+    the instance half alone, with its timesteps, as train_dreambooth_lora_sdxl.py) against sdx's per-sample
+    weights, whichever rows the class samples sit in: the same loss and gradients in float32."""
+    case = {**CASES[0], "snr_gamma": snr_gamma}
+    ref, model = _models(4)
+    batch = _batch(6, False)
+    prior = np.array([False, True, False, True, True, False])  # sdx: any rows; diffusers: the second half
+    batch["prior"] = prior
+    cfg = dataclasses.replace(_loss_config(case), prior_loss_weight=0.7)
+    graphdef, params = nnx.split(model)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    fn = denoise.loss_fn(graphdef, cfg)
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys,
+                                                                     jax.tree.map(jnp.asarray, NULL))
+    order = torch.from_numpy(np.argsort(prior, kind="stable"))  # instance rows first, as diffusers' collate
+
+    def dreambooth(pred, target, ts, tt):
+        pred, pred_prior = torch.chunk(pred[order], 2)
+        target, target_prior = torch.chunk(target[order], 2)
+        prior_loss = torch.nn.functional.mse_loss(pred_prior.float(), target_prior.float(), reduction="mean")
+        instance_t, _ = torch.chunk(tt[order], 2)
+        return _mse(pred, target, ts, instance_t, snr_gamma, case["prediction_type"]) + 0.7 * prior_loss
+
+    ref_loss = _reference_loss(ref, case, batch, keys, reduce=dreambooth)
+    ref_loss.backward()
+    print("loss", float(loss), ref_loss.item())
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=2e-5)
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+    err = _relative_error(np.asarray(flat["conv_in.kernel"]).transpose(3, 2, 0, 1), ref.conv_in.weight.grad)
+    print("relative gradient error", err)
+    assert err < 1e-4
 
 
 def _shared_adapters(model: nnx.Module, layer_of, seed: int = 7) -> dict:

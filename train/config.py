@@ -1,18 +1,19 @@
 """A training run as one frozen dataclass, and the command line that fills it.
 
 The flags are diffusers' training-script flags with the same meaning and defaults
-(train_instruct_pix2pix(_sdxl).py, train_text_to_image(_sdxl).py), accepted with underscores and with
-dashes (`--train_batch_size` and `--train-batch-size`), so a diffusers command line runs after swapping
-`accelerate launch X.py` for `python -m train.X`. A diffusers flag sdx does not implement is an error
-naming it, never silently ignored. Differences, on purpose:
+(train_instruct_pix2pix(_sdxl).py, train_text_to_image(_sdxl).py, train_dreambooth(_lora).py), accepted
+with underscores and with dashes (`--train_batch_size` and `--train-batch-size`), so a diffusers command
+line runs after swapping `accelerate launch X.py` for `python -m train.X`. A diffusers flag sdx does not
+implement is an error naming it, never silently ignored. Differences, on purpose:
 
 - `--train_batch_size` is per device, as in diffusers (per GPU there): the global batch is it times the
   number of devices, and one optimizer step sees that times `--gradient_accumulation_steps` samples.
 - `--lr_warmup_steps` and `--max_train_steps` count optimizer steps; diffusers multiplies the scheduler's
   warm-up and length by the number of processes, sdx does not.
 - `--seed` defaults to 0 (diffusers: unseeded), so a run is reproducible unless asked otherwise.
-- LoRA is text-to-image with `--rank` (`python -m train.text_to_image_lora` defaults it to 4, as
-  train_text_to_image_lora.py); `--lora_alpha` (default: the rank, diffusers' choice) is sdx's own.
+- LoRA is text-to-image or DreamBooth with `--rank` (`python -m train.text_to_image_lora` and
+  `python -m train.dreambooth_lora` default it to 4, as diffusers' LoRA scripts); `--lora_alpha` (default:
+  the rank, diffusers' choice) is sdx's own.
 - `--mixed_precision bf16`: bfloat16 compute with float32 master weights. `fp16` (what diffusers'
   documented commands use) runs as bf16, with a one-line note: what the flag asks for is 16-bit compute
   with float32 master weights, and bfloat16 gives that without the loss scaling float16's narrow range
@@ -36,7 +37,8 @@ from sdx.errors import ArgumentParser, SdxError
 from train.lr import SCHEDULES
 from train.objective import PREDICTION_TYPES
 
-TASKS = ("pix2pix", "text_to_image", "vae")
+TASKS = ("pix2pix", "text_to_image", "dreambooth", "vae")
+LORA_TASKS = ("text_to_image", "dreambooth")
 EXPORT_FORMATS = ("sdx", "diffusers")
 
 # diffusers flags that sdx's trainers do not implement, with what to do instead.
@@ -61,6 +63,9 @@ UNSUPPORTED = {
     "vae_precision": "the VAE runs in float32",
     "crops_coords_top_left_h": "SDXL crop conditioning is the crop actually applied to each image",
     "crops_coords_top_left_w": "SDXL crop conditioning is the crop actually applied to each image",
+    "offset_noise": "give --noise_offset 0.1 (the same offset noise, of any scale)",
+    "prior_generation_precision": "class images are sampled by the models as loaded for training; drop the flag",
+    "pre_compute_text_embeddings": "frozen text encoders already run outside the step; drop the flag",
 }
 
 # diffusers flags (store_true) that change nothing sdx computes: accepted, ignored with a note.
@@ -98,6 +103,15 @@ class TrainConfig:
     random_flip: bool = False
     dataloader_num_workers: int = 0
     cache_latents: bool = False
+    # DreamBooth: one subject's images under one prompt, optionally with prior preservation on its class
+    instance_data_dir: str | None = None
+    instance_prompt: str | None = None
+    class_data_dir: str | None = None
+    class_prompt: str | None = None
+    with_prior_preservation: bool = False
+    prior_loss_weight: float = 1.0
+    num_class_images: int = 100
+    sample_batch_size: int = 4
     # optimisation
     output_dir: str = "sdx-model-finetuned"
     seed: int = 0
@@ -167,10 +181,13 @@ class TrainConfig:
 _DEFAULTS = {
     "pix2pix": {"resolution": 256, "output_dir": "instruct-pix2pix-model"},
     "text_to_image": {"resolution": 512, "output_dir": "sd-model-finetuned"},
+    "dreambooth": {"resolution": 512, "output_dir": "text-inversion-model", "train_batch_size": 4,
+                   "num_train_epochs": 1, "learning_rate": 5e-6},
     "vae": {"resolution": 256, "output_dir": "vae-finetuned", "learning_rate": 4.5e-6},
 }
-# `python -m train.text_to_image_lora`'s defaults over text_to_image's (diffusers' train_text_to_image_lora.py)
-_LORA_DEFAULTS = {"rank": 4, "output_dir": "sd-model-finetuned-lora"}
+# `python -m train.X_lora`'s defaults over X's (diffusers' train_text_to_image_lora.py, train_dreambooth_lora.py)
+_LORA_DEFAULTS = {"text_to_image": {"rank": 4, "output_dir": "sd-model-finetuned-lora"},
+                  "dreambooth": {"rank": 4, "output_dir": "lora-dreambooth-model", "learning_rate": 5e-4}}
 
 
 
@@ -185,8 +202,8 @@ def _bool(p, name: str, help: str) -> None:
 
 
 def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
-    """lora: `python -m train.text_to_image_lora` (text_to_image with `--rank` 4 by default)."""
-    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task] | (_LORA_DEFAULTS if lora else {})
+    """lora: `python -m train.X_lora` (X with `--rank` 4 by default)."""
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task] | (_LORA_DEFAULTS[task] if lora else {})
     name = f"{task}_lora" if lora else task
     p = ArgumentParser(prog=f"python -m train.{name}", allow_abbrev=False,
                 description=f"Fine-tune with sdx ({name}); flags as diffusers' training scripts.")
@@ -201,22 +218,35 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
     opt("variant", "weights variant to read (e.g. fp16)")
     opt("cache_dir", "hub cache folder for models and datasets")
 
-    opt("dataset_name", "parquet dataset: a hub dataset id, a local folder of .parquet files, or one file")
-    opt("train_data_dir", "an image folder with metadata.jsonl (file_name plus the text column)")
+    if task == "dreambooth":
+        opt("instance_data_dir", "a folder of the subject's images (every image file in it, no metadata)")
+        opt("instance_prompt", "the prompt of every instance image, naming the subject (e.g. 'a photo of sks dog')")
+        _bool(p, "with_prior_preservation", "also train on images of the subject's class under --class_prompt, "
+              "so that the class keeps its look")
+        opt("class_data_dir", "the class images; when it holds fewer than --num_class_images, the rest are sampled "
+            "into it with --class_prompt")
+        opt("class_prompt", "the prompt of the class images (e.g. 'a photo of dog')")
+        opt("prior_loss_weight", "weight of the class images' loss", type=float)
+        opt("num_class_images", "class images used (sampled first when the folder holds fewer)", type=int)
+        opt("sample_batch_size", "images per sampler call when sampling class images", type=int)
+    else:
+        opt("dataset_name", "parquet dataset: a hub dataset id, a local folder of .parquet files, or one file")
+        opt("train_data_dir", "an image folder with metadata.jsonl (file_name plus the text column)")
     if task == "pix2pix":
         opt("original_image_column", "the image before the edit")
         opt("edit_prompt_column", "the edit instruction")
         opt("edited_image_column", "the image after the edit")
-    else:
+    elif task != "dreambooth":
         opt("image_column", "the image column")
         if task == "text_to_image":
             opt("caption_column", "the caption column")
-    opt("max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
+    if task != "dreambooth":
+        opt("max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
     opt("resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
     _bool(p, "center_crop", "crop the center (default: a random crop)")
     _bool(p, "random_flip", "flip horizontally with probability 1/2")
     opt("dataloader_num_workers", "data loading worker processes (0: in the main process)", type=int)
-    if task != "vae":
+    if task in ("pix2pix", "text_to_image"):
         _bool(p, "cache_latents", "encode the dataset once (VAE moments, text embeddings) into output_dir/cache")
 
     opt("output_dir", "where the model, checkpoints, logs and validation images go")
@@ -243,7 +273,7 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
     opt("attention", "attention backend (default: the sampler's: chunked on a CPU, cudnn in bf16 on an NVIDIA GPU "
         "with flash attention, xla elsewhere)", choices=BACKENDS)
     opt("fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)", type=int)
-    if task == "text_to_image":
+    if task in LORA_TASKS:
         opt("rank", "LoRA: train adapters of this rank on the UNet's attention projections (to_q, to_k, to_v, "
             "to_out.0) and write them as pytorch_lora_weights.safetensors" + ("" if lora else " (default: the whole UNet)"),
             type=int)
@@ -259,7 +289,7 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("input_perturbation", "input perturbation scale", type=float)
         if task == "pix2pix":
             opt("conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
-        else:
+        elif task == "text_to_image":
             opt("proportion_empty_prompts", "replace this proportion of captions by the empty prompt", type=float)
     else:
         opt("kl_weight", "weight of the KL term", type=float)
@@ -303,7 +333,7 @@ def _flag_with_alias(p, name: str, alias: str, **kw) -> None:
 
 def parse(task: str, argv: list[str] | None = None, lora: bool = False) -> TrainConfig:
     """The run `argv` describes, checked; bad input exits 2 with one `error:` line. lora: see `parser`."""
-    if task not in TASKS or (lora and task != "text_to_image"):
+    if task not in TASKS or (lora and task not in LORA_TASKS):
         raise ValueError(task)
     argv = sys.argv[1:] if argv is None else list(argv)
     p = parser(task, lora)
@@ -342,10 +372,13 @@ def check(c: TrainConfig) -> None:
             raise SdxError("give --pretrained_model_name_or_path (its VAE is fine-tuned) or --vae_config")
     elif not c.pretrained_model_name_or_path:
         raise SdxError("--pretrained_model_name_or_path is required")
-    if bool(c.dataset_name) == bool(c.train_data_dir):
+    if c.task == "dreambooth":
+        _check_dreambooth(c)
+    elif bool(c.dataset_name) == bool(c.train_data_dir):
         raise SdxError("give exactly one of --dataset_name (parquet) and --train_data_dir (image folder)")
     positive = ("resolution", "train_batch_size", "num_train_epochs", "gradient_accumulation_steps",
-                "checkpointing_steps", "fsdp", "lr_num_cycles", "num_validation_images", "validation_inference_steps")
+                "checkpointing_steps", "fsdp", "lr_num_cycles", "num_validation_images", "validation_inference_steps",
+                "num_class_images", "sample_batch_size")
     for name in positive:
         if getattr(c, name) < 1:
             raise SdxError(f"--{name} must be at least 1, got {getattr(c, name)}")
@@ -359,7 +392,8 @@ def check(c: TrainConfig) -> None:
             raise SdxError(f"--{name} must not be negative, got {getattr(c, name)}")
     if c.learning_rate <= 0:
         raise SdxError(f"--learning_rate must be positive, got {c.learning_rate}")
-    for name in ("noise_offset", "input_perturbation", "max_grad_norm", "adam_weight_decay", "kl_weight"):
+    for name in ("noise_offset", "input_perturbation", "max_grad_norm", "adam_weight_decay", "kl_weight",
+                 "prior_loss_weight"):
         if getattr(c, name) < 0:
             raise SdxError(f"--{name} must not be negative, got {getattr(c, name)}")
     if c.adam_epsilon <= 0:
@@ -384,8 +418,8 @@ def check(c: TrainConfig) -> None:
     if c.mixed_precision not in ("no", "bf16"):
         raise SdxError(f"--mixed_precision {c.mixed_precision}: use no or bf16")
     if c.rank is not None or c.lora_alpha is not None:
-        if c.task != "text_to_image":
-            raise SdxError(f"LoRA (--rank, --lora_alpha) trains text-to-image models only, not {c.task}")
+        if c.task not in LORA_TASKS:
+            raise SdxError(f"LoRA (--rank, --lora_alpha) trains text-to-image and DreamBooth runs only, not {c.task}")
         if c.rank is None or c.rank < 1:
             raise SdxError(f"--rank must be at least 1, got {c.rank}")
         if c.lora_alpha is not None and c.lora_alpha <= 0:
@@ -394,7 +428,19 @@ def check(c: TrainConfig) -> None:
             raise SdxError(f"--export_format {c.export_format}: a LoRA run writes diffusers' "
                            "pytorch_lora_weights.safetensors, which diffusers and sdx both read; drop the flag")
     if c.train_text_encoder and c.rank is None:
-        raise SdxError("--train_text_encoder trains LoRA adapters on the text encoders: give --rank (or run "
-                       "python -m train.text_to_image_lora); whole text encoders are not fine-tuned")
+        raise SdxError(f"--train_text_encoder trains LoRA adapters on the text encoders: give --rank (or run "
+                       f"python -m train.{c.task}_lora); whole text encoders are not fine-tuned")
     if c.task == "pix2pix" and c.validation_prompt and not c.val_image_url_or_path:
         raise SdxError("--validation_prompt needs --val_image_url_or_path (the image to edit) for pix2pix")
+
+
+def _check_dreambooth(c: TrainConfig) -> None:
+    """DreamBooth's own flags (diffusers' train_dreambooth.py's checks)."""
+    if not c.instance_data_dir or not c.instance_prompt:
+        raise SdxError("DreamBooth needs --instance_data_dir (the subject's images) and --instance_prompt")
+    if c.with_prior_preservation:
+        if not c.class_data_dir or not c.class_prompt:
+            raise SdxError("--with_prior_preservation needs --class_data_dir (where the class images are, or are "
+                           "sampled into) and --class_prompt")
+    elif c.class_data_dir or c.class_prompt:
+        _note("--class_data_dir and --class_prompt are not used without --with_prior_preservation")

@@ -37,7 +37,8 @@ class DenoiseConfig:
     """The static part of the loss. text_drop: probability of the null text (text-to-image's
     proportion_empty_prompts); conditioning_dropout: InstructPix2Pix's p (text, image, both); text_dtype:
     the text encoders' compute dtype when they train (run in the loss), None when the batch holds their
-    output."""
+    output; prior_loss_weight: DreamBooth's prior preservation (the batch's "prior" flags its class images,
+    half of it), or None."""
 
     family: Family
     scheduler: Scheduler
@@ -49,6 +50,7 @@ class DenoiseConfig:
     text_drop: float = 0.0
     conditioning_dropout: float = 0.0
     text_dtype: str | None = None
+    prior_loss_weight: float | None = None
 
 
 def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None, batch: Mapping[str, jax.Array],
@@ -56,7 +58,8 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None,
     """Pixels and token ids -> what the loss reads (frozen models, no gradients).
 
     batch: "pixels" (B, H, W, 3) in [-1, 1] (pix2pix: "edited_pixels" and "original_pixels"), "ids"
-    {encoder: (B, 1, 77)}, "time_ids" (B, 6) for SDXL, "index" (B,). Returns "moments" (B, h, w, 2C),
+    {encoder: (B, 1, 77)}, "time_ids" (B, 6) for SDXL, "index" (B,), "prior" (B,) bool under DreamBooth's
+    prior preservation (passed through). Returns "moments" (B, h, w, 2C),
     "context" (B, 77, D), "pooled" (B, P) (SDXL), "time_ids", "image_latents" (B, h, w, C) (pix2pix), "index".
     encoders None (they train, `DenoiseConfig.text_dtype`): "ids" (B, E, 77), each encoder's in
     `family.encoders` order, instead of "context" and "pooled".
@@ -72,6 +75,8 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None,
             out["pooled"] = pooled
     if family.xl:
         out["time_ids"] = batch["time_ids"]
+    if "prior" in batch:  # DreamBooth's class images (B,)
+        out["prior"] = batch["prior"]
     if family.pix2pix:
         image = vae.encode(batch["original_pixels"]).mode()
         out["image_latents"] = image * vae.config.scaling_factor if family.scaled_image_latents else image
@@ -109,6 +114,8 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     weights = None
     if cfg.snr_gamma is not None:
         weights = objective.min_snr_weights(sched, t, cfg.snr_gamma, cfg.prediction_type)
+    if cfg.prior_loss_weight is not None:
+        weights = objective.prior_preservation_weights(batch["prior"], weights, cfg.prior_loss_weight)
     return objective.loss(pred, target, weights), {}
 
 

@@ -80,6 +80,7 @@ class DiffusionTask:
             snr_gamma=cfg.snr_gamma, noise_offset=cfg.noise_offset, input_perturbation=cfg.input_perturbation,
             text_drop=cfg.proportion_empty_prompts, conditioning_dropout=cfg.conditioning_dropout_prob or 0.0,
             text_dtype=str(jnp.dtype(text_dtype)) if cfg.train_text_encoder else None,
+            prior_loss_weight=cfg.prior_loss_weight if cfg.with_prior_preservation else None,
         )
         self.prediction_type = prediction_type
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
@@ -102,9 +103,7 @@ class DiffusionTask:
 
         self._encode = jax.jit(encode)
         self.cache: cachelib.LatentCache | None = None
-        # validate's sampler, made at the first validation and kept: each later one runs the same programs
-        # (a new Sampler compiled them again, or read them from the cache folder when there is one)
-        self._validation: Sampler | None = None
+        self._sampler: Sampler | None = None  # `pipeline`'s
 
     # ---- what the loop calls
 
@@ -131,7 +130,7 @@ class DiffusionTask:
         """The loader's numpy batch -> the arrays the frozen encoders read."""
         fam, res = self.models.family, self.cfg.resolution
         out = {"index": np.asarray(host["index"]), "ids": {e: host["ids"][e] for e in fam.encoders}}
-        for k in ("pixels", "original_pixels", "edited_pixels"):
+        for k in ("pixels", "original_pixels", "edited_pixels", "prior"):
             if k in host:
                 out[k] = host[k]
         if fam.xl:
@@ -160,21 +159,28 @@ class DiffusionTask:
         """{component: model} of the module the loop trains: the UNet, and the text encoders when they train."""
         return dict(module.items()) if self.cfg.train_text_encoder else {"unet": module}
 
+    def pipeline(self, module: nnx.Module, name: str) -> Pipeline:
+        """The model's pipeline with the trained module's weights (LoRA: its adapters fused in, as `--lora`
+        fuses them) and the frozen models. Its sampler is made at the first call and kept: later calls run the
+        same programs with the new weights (a new Sampler compiled them again, or read them from the cache
+        folder when there is one)."""
+        m = self.models
+        trained = self.trained(module)
+        if self.cfg.rank:
+            trained = {n: lora.fused(model) for n, model in trained.items()}
+        factor = m.vae.config.downsample_factor
+        if self._sampler is None:
+            self._sampler = Sampler({"vae": m.vae, **m.encoders, **trained}, self.mesh)
+        else:
+            for n, model in trained.items():
+                self._sampler.update(n, model)
+        return Pipeline(family=m.family, scheduler=schedulers.from_config(m.scheduler_config), tokenizers=m.tokenizers,
+                        sampler=self._sampler, factor=factor, multiple=factor, channels=m.vae.config.latent_channels,
+                        default_size=_trained_size(trained["unet"].config.sample_size) * factor, name=name)
+
     def validate(self, module: nnx.Module, step: int, metrics) -> None:
         cfg, m = self.cfg, self.models
-        trained = self.trained(module)
-        if cfg.rank:
-            trained = {name: lora.fused(model) for name, model in trained.items()}
-        unet = trained["unet"]
-        factor = m.vae.config.downsample_factor
-        if self._validation is None:
-            self._validation = Sampler({"vae": m.vae, **m.encoders, **trained}, self.mesh)
-        else:  # the programs the first validation compiled, with this step's weights
-            for name, model in trained.items():
-                self._validation.update(name, model)
-        pipe = Pipeline(family=m.family, scheduler=schedulers.from_config(m.scheduler_config), tokenizers=m.tokenizers,
-                        sampler=self._validation, factor=factor, multiple=factor, channels=m.vae.config.latent_channels,
-                        default_size=_trained_size(unet.config.sample_size) * factor, name=f"{cfg.output_dir}@{step}")
+        pipe = self.pipeline(module, f"{cfg.output_dir}@{step}")
         image = None
         if m.family.pix2pix:
             image = data.load_image(cfg.val_image_url_or_path, cfg.resolution)[None]

@@ -46,9 +46,11 @@ class Task(Protocol):
     have `prepare_data(source, output_dir) -> dict`, extra keyword arguments of `data.make_loader` (the
     latent cache's, train/cache.py), `frozen(params) -> tree of bools or None`, the parameters of
     `module` that the optimizer leaves alone (`optimizer.FrozenExcept`; the VAE's encoder under
-    --decoder_only), and `trainable`, an nnx filter of the variables of `module` that train (default every
-    nnx.Param; a LoRA run's adapters): the others are the step's constants (`step.trained_in_part`), in no
-    optimizer state, EMA or checkpoint."""
+    --decoder_only), `make_loader(source, batch_size=) -> loader`, the host batches when the task reads its
+    data its own way (DreamBooth's instance and class images; `data.Loader`'s interface), and `trainable`,
+    an nnx filter of the variables of `module` that train (default every nnx.Param; a LoRA run's
+    adapters): the others are the step's constants (`step.trained_in_part`), in no optimizer state, EMA or
+    checkpoint."""
 
     module: nnx.Module  # the trainable model, placed on the mesh (when restoring, abstract: the checkpoint fills it)
     constants: dict[str, jax.Array]  # arrays the loss reads besides the batch, fixed for the run
@@ -136,10 +138,13 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     if frozen is not None:
         tx = optimizer.FrozenExcept(tx, frozen)
     ema = ema_config(cfg)
-    prepare = getattr(task, "prepare_data", None)  # --cache_latents: the loader reads the cache instead of images
-    hooks = prepare(source, out) if prepare is not None else {}
-    loader = data.make_loader(source, task.transform, batch_size=sched.per_host_batch, seed=cfg.seed,
-                              num_epochs=None, workers=cfg.dataloader_num_workers, **hooks)
+    if hasattr(task, "make_loader"):  # a task reading its data its own way (DreamBooth's two parts)
+        loader = task.make_loader(source, batch_size=sched.per_host_batch)
+    else:
+        prepare = getattr(task, "prepare_data", None)  # --cache_latents: the loader reads the cache, not images
+        hooks = prepare(source, out) if prepare is not None else {}
+        loader = data.make_loader(source, task.transform, batch_size=sched.per_host_batch, seed=cfg.seed,
+                                  num_epochs=None, workers=cfg.dataloader_num_workers, **hooks)
     ckpts = checkpoint.Checkpoints(out / "checkpoints", keep=cfg.checkpoints_total_limit)
     start = 0
     if resume is None:

@@ -94,7 +94,7 @@ def load(cfg: TrainConfig, mesh, *, folder: Path, log=print, restoring: bool = F
     if source.inpaint:
         raise SdxError(f"{cfg.pretrained_model_name_or_path}: fine-tuning an inpainting model (a 9-channel UNet) is "
                        "not supported; start from a text-to-image model")
-    if cfg.task == "text_to_image" and source.pix2pix:
+    if cfg.task != "pix2pix" and source.pix2pix:
         raise SdxError(f"{cfg.pretrained_model_name_or_path} is an InstructPix2Pix model; use python -m train.pix2pix")
     pix2pix = cfg.task == "pix2pix"
     restoring = restoring and not cfg.rank

@@ -34,6 +34,12 @@ train_instruct_pix2pix(_sdxl).py, diffusers.training_utils):
   `(random_p >= p) * (random_p < 3 * p)`), so p each of text only, both, image only.
 * text-to-image's --proportion_empty_prompts: diffusers swaps the caption for "" at tokenisation; sdx
   draws u ~ U[0, 1) per sample in the step and uses the null conditioning when u < p.
+* DreamBooth's prior preservation (train_dreambooth.py): a step's batch holds B instance and B class
+  images, the loss is the instance MSE (min-SNR weighted when asked) plus prior_loss_weight times the
+  class MSE (never SNR-weighted; the SDXL LoRA script takes the instance half's timesteps for the SNR, as
+  sdx does; train_dreambooth.py weighs v-prediction by min(snr, γ)/snr + 1, sdx by its one rule above).
+  sdx writes it as the batch mean of per-sample weights: 2 (or 2 · min-SNR) per instance, 2 ·
+  prior_loss_weight per class image, so micro-batches and devices may hold any mix of the two.
 * VAE posterior sample (--cache_latents stores the moments): mean + exp(logvar / 2) · N(0, 1), logvar
   clipped to [-30, 20], then `VAEConfig.to_latents` ((z − shift) · scale).
 """
@@ -186,6 +192,14 @@ def min_snr_weights(sched: Scheduler, t: jax.Array, gamma: float, prediction_typ
         return jnp.minimum(gamma / snr, 1.0)  # = min(snr, γ)/snr; γ/0 = inf -> 1 at zero SNR
     clipped = jnp.minimum(snr, gamma)
     return clipped / (snr + 1) if prediction_type == "v_prediction" else clipped
+
+
+def prior_preservation_weights(prior: jax.Array, weights: jax.Array | None, prior_loss_weight: float) -> jax.Array:
+    """f32[B]: DreamBooth's loss weights for a batch of as many instance as class samples (prior: bool[B],
+    True for a class sample; weights: the instance samples' min-SNR weights or None), so that `loss` gives
+    mean(instance weights × MSE) + prior_loss_weight × mean(class MSE)."""
+    instance = 2.0 if weights is None else 2.0 * weights.astype(jnp.float32)
+    return jnp.where(prior, jnp.float32(2.0 * prior_loss_weight), instance)
 
 
 def per_sample_mse(pred: jax.Array, target: jax.Array) -> jax.Array:
