@@ -178,10 +178,12 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
         with signals.GracefulStop() as stop:
             for step in range(start + 1, sched.total + 1):
                 t0 = time.perf_counter()
-                state, values = compiled(state, task.step_batch(host_batch), seed_key)
+                batch = task.step_batch(host_batch)
+                images = batch["index"].shape[0]  # the step's samples, all hosts (DreamBooth: both parts)
+                state, values = compiled(state, batch, seed_key)
                 values = {k: float(v) for k, v in jax.device_get(values).items()}
                 dt = time.perf_counter() - t0
-                values.update(step_time=dt, images_per_s=sched.per_step / dt, skipped=float(loader.skipped))
+                values.update(step_time=dt, images_per_s=images / dt, skipped=float(loader.skipped))
                 metrics.log(step, values)
                 if not math.isfinite(values["loss"]):
                     raise SdxError(f"the loss became {values['loss']} at step {step}; lower --learning_rate")
