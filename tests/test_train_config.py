@@ -124,6 +124,8 @@ BAD_VALUES = [
     ("text_to_image", ["--rank", "4", "--export_format", "diffusers"], "pytorch_lora_weights.safetensors"),
     ("text_to_image", ["--train_text_encoder"], "--train_text_encoder trains LoRA adapters on the text encoders: give --rank"),
     ("pix2pix", ["--train_text_encoder"], "unrecognized arguments: --train_text_encoder"),
+    ("text_to_image", ["--rank", "4", "--text_encoder_lr", "1e-5"], "with --train_text_encoder"),
+    ("text_to_image", ["--rank", "4", "--train_text_encoder", "--text_encoder_lr", "0"], "give a positive one"),
     ("pix2pix", ["--rank", "4"], "unrecognized arguments: --rank"),
     ("dreambooth", ["--instance_data_dir", "i"], "DreamBooth needs --instance_data_dir"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--with_prior_preservation"],

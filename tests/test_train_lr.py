@@ -111,12 +111,13 @@ def test_scale_lr():
 # Optimizer
 
 
-@pytest.mark.parametrize("frozen", [(), ("b",)], ids=["all", "b_frozen"])
+@pytest.mark.parametrize("frozen, b_lr", [((), None), (("b",), None), ((), 3e-3)], ids=["all", "b_frozen", "b_group"])
 @pytest.mark.parametrize("max_grad_norm", [1.0, 100.0, None])
-def test_adamw_matches_torch(max_grad_norm, frozen):
+def test_adamw_matches_torch(max_grad_norm, frozen, b_lr):
     """clip_grad_norm_ + AdamW under diffusers' cosine schedule with warm-up, on the same gradients. With
     `frozen` names, torch's optimizer and clipping get the other parameters only (optimizer.FrozenExcept):
-    "b"'s large gradients must neither move it nor enter the clipping norm."""
+    "b"'s large gradients must neither move it nor enter the clipping norm. With `b_lr`, "b" is a parameter
+    group of that learning rate under the same scheduler (optimizer.ScaledLearningRates: --text_encoder_lr)."""
     rng = np.random.default_rng(0)
     shapes = {"w": (4, 3), "b": (3,), "tiny": (2,)}
     scale = {"w": 3.0, "b": 3.0, "tiny": 1e-6}  # "tiny": sqrt(v) ~ eps, where eps's placement shows
@@ -127,12 +128,17 @@ def test_adamw_matches_torch(max_grad_norm, frozen):
 
     tparams = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in init.items()}
     trained = [p for k, p in tparams.items() if k not in frozen]
-    topt = torch.optim.AdamW(trained, lr=1e-2, betas=(hp["beta1"], hp["beta2"]),
+    groups = [{"params": trained}]
+    if b_lr is not None:
+        groups = [{"params": [p for k, p in tparams.items() if k != "b"]}, {"params": [tparams["b"]], "lr": b_lr}]
+    topt = torch.optim.AdamW(groups, lr=1e-2, betas=(hp["beta1"], hp["beta2"]),
                              weight_decay=hp["weight_decay"], eps=hp["eps"])
     tsched = get_scheduler("cosine", topt, num_warmup_steps=kw["warmup"], num_training_steps=kw["total"])
 
     plain = optlib.AdamW(ours("cosine", kw, peak=1e-2), max_grad_norm=max_grad_norm, **hp)
     tx = optlib.FrozenExcept(plain, {k: k in frozen for k in shapes}) if frozen else plain
+    if b_lr is not None:
+        tx = optlib.ScaledLearningRates(tx, {k: b_lr / 1e-2 if k == "b" else 1.0 for k in shapes})
     params = {k: jnp.asarray(v) for k, v in init.items()}
     state = tx.init(params)
     step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*tx.update(g, s, p)))

@@ -139,6 +139,7 @@ class TrainConfig:
     rank: int | None = None
     lora_alpha: float | None = None  # None: the rank (scale 1, as diffusers' LoRA scripts)
     train_text_encoder: bool = False  # LoRA: adapters on the text encoders' attention projections too
+    text_encoder_lr: float | None = None  # their peak learning rate (None: --learning_rate)
     # objective
     prediction_type: str | None = None
     snr_gamma: float | None = None
@@ -281,6 +282,8 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
             type=float)
         _bool(p, "train_text_encoder", "LoRA: also train adapters on the text encoders' attention projections "
               "(q_proj, k_proj, v_proj, out_proj), written into the same file; the encoders then run in every step")
+        opt("text_encoder_lr", "--train_text_encoder: the encoders' adapters' peak learning rate (default: "
+            "--learning_rate; --scale_lr leaves it alone), on the same schedule", type=float)
 
     if task != "vae":
         opt("prediction_type", "training target (default: the model's scheduler config)", choices=PREDICTION_TYPES)
@@ -427,6 +430,8 @@ def check(c: TrainConfig) -> None:
         if c.export_format != "sdx":
             raise SdxError(f"--export_format {c.export_format}: a LoRA run writes diffusers' "
                            "pytorch_lora_weights.safetensors, which diffusers and sdx both read; drop the flag")
+    if c.text_encoder_lr is not None and (not c.train_text_encoder or c.text_encoder_lr <= 0):
+        raise SdxError(f"--text_encoder_lr {c.text_encoder_lr}: give a positive one, with --train_text_encoder")
     if c.train_text_encoder and c.rank is None:
         raise SdxError(f"--train_text_encoder trains LoRA adapters on the text encoders: give --rank (or run "
                        f"python -m train.{c.task}_lora); whole text encoders are not fine-tuned")

@@ -155,6 +155,13 @@ class DiffusionTask:
     def loss_fn(self, graphdef):
         return denoise.loss_fn(graphdef, self.loss_config)
 
+    def learning_rate_scales(self, params, peak: float):
+        """--text_encoder_lr: the encoders' adapters at text_encoder_lr / peak, the UNet's at 1 (else None)."""
+        if self.cfg.text_encoder_lr is None:
+            return None
+        ratio = self.cfg.text_encoder_lr / peak
+        return jax.tree_util.tree_map_with_path(lambda path, _: 1.0 if path[0].key == "unet" else ratio, params)
+
     def trained(self, module: nnx.Module) -> dict[str, nnx.Module]:
         """{component: model} of the module the loop trains: the UNet, and the text encoders when they train."""
         return dict(module.items()) if self.cfg.train_text_encoder else {"unet": module}

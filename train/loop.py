@@ -46,7 +46,9 @@ class Task(Protocol):
     have `prepare_data(source, output_dir) -> dict`, extra keyword arguments of `data.make_loader` (the
     latent cache's, train/cache.py), `frozen(params) -> tree of bools or None`, the parameters of
     `module` that the optimizer leaves alone (`optimizer.FrozenExcept`; the VAE's encoder under
-    --decoder_only), `make_loader(source, batch_size=) -> loader`, the host batches when the task reads its
+    --decoder_only), `learning_rate_scales(params, peak_learning_rate) -> tree of floats or None`, each
+    parameter's learning rate over the run's (`optimizer.ScaledLearningRates`; `--text_encoder_lr`),
+    `make_loader(source, batch_size=) -> loader`, the host batches when the task reads its
     data its own way (DreamBooth's instance and class images; `data.Loader`'s interface), and `trainable`,
     an nnx filter of the variables of `module` that train (default every nnx.Param; a LoRA run's
     adapters): the others are the step's constants (`step.trained_in_part`), in no optimizer state, EMA or
@@ -137,6 +139,9 @@ def run(cfg: TrainConfig, make_task, open_data) -> int:
     frozen = task.frozen(params) if hasattr(task, "frozen") else None
     if frozen is not None:
         tx = optimizer.FrozenExcept(tx, frozen)
+    scales = task.learning_rate_scales(params, learning_rate(cfg)) if hasattr(task, "learning_rate_scales") else None
+    if scales is not None:
+        tx = optimizer.ScaledLearningRates(tx, scales)
     ema = ema_config(cfg)
     if hasattr(task, "make_loader"):  # a task reading its data its own way (DreamBooth's two parts)
         loader = task.make_loader(source, batch_size=sched.per_host_batch)

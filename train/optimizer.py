@@ -76,3 +76,22 @@ class FrozenExcept(_Transformation):
     def transformation(self) -> optax.GradientTransformation:
         labels = jax.tree.map(lambda f: "frozen" if f else "trained", self.frozen)
         return optax.multi_transform({"trained": self.inner, "frozen": optax.set_to_zero()}, labels)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledLearningRates(_Transformation):
+    """`inner`, then each parameter's update times its factor in `scales` (a tree of floats shaped like
+    the parameters): torch's parameter groups with learning rates of their own under one scheduler (a group
+    of learning rate lr_g steps with lr_g · schedule(t) / lr), the clipping still over every group. AdamW's
+    whole update, weight decay included, is proportional to the learning rate, so the scaled update is the
+    group's exactly."""
+
+    inner: optax.GradientTransformation | _Transformation
+    scales: Any
+
+    def transformation(self) -> optax.GradientTransformation:
+        def update(updates, state, params=None):
+            del params
+            return jax.tree.map(lambda u, f: (u * f).astype(u.dtype), updates, self.scales), state
+
+        return optax.chain(self.inner, optax.GradientTransformation(lambda params: optax.EmptyState(), update))
