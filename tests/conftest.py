@@ -38,6 +38,7 @@ SLOW_FILES = (
     "tests/test_train_vae.py",  # ~70
     "tests/test_train_cache.py",  # ~60
     "tests/test_dreambooth.py",  # ~55
+    "tests/test_train_controlnet.py",  # ~45
     "tests/test_randomness.py",  # ~55
     "tests/test_fuzz_readers.py",  # ~45
     "tests/test_vae.py",  # ~40

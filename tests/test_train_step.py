@@ -90,11 +90,12 @@ def _loss_config(case) -> denoise.DenoiseConfig:
     )
 
 
-def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None) -> torch.Tensor:
+def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, controlnet=None) -> torch.Tensor:
     """diffusers' training loss of `ref` (train_text_to_image.py / train_instruct_pix2pix.py) for `batch`, with
     the draws sdx's loss takes from `keys` (latent sample, noise, timesteps, dropout). conditioning: the
     dropped samples (bool numpy [B]) -> (context, pooled or None) in torch (default: the batch's, NULL where
-    dropped); reduce(pred, target, scheduler, timesteps) -> the loss (default: `_mse` of the case)."""
+    dropped); reduce(pred, target, scheduler, timesteps) -> the loss (default: `_mse` of the case);
+    controlnet: a diffusers ControlNetModel steering `ref` from batch["control"]."""
     reduce = reduce or (lambda *a: _mse(*a, case["snr_gamma"], case["prediction_type"]))
     cfg = _loss_config(case)
     latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
@@ -120,7 +121,12 @@ def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None) -> t
         keep = 1.0 - torch.from_numpy(np.array(drop_image)).float()
         noisy = torch.cat([noisy, _nchw(batch["image_latents"]) * keep[:, None, None, None]], dim=1)
     added = None if pooled is None else {"text_embeds": pooled, "time_ids": torch.from_numpy(batch["time_ids"])}
-    pred = ref(noisy, tt, ctx, added_cond_kwargs=added).sample
+    residuals = {}
+    if controlnet is not None:  # train_controlnet_sdxl.py: the ControlNet's residuals into the UNet
+        down, mid = controlnet(noisy, tt, encoder_hidden_states=ctx, added_cond_kwargs=added, return_dict=False,
+                               controlnet_cond=_nchw(batch["control"]))
+        residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+    pred = ref(noisy, tt, ctx, added_cond_kwargs=added, **residuals).sample
     target = eps if case["prediction_type"] == "epsilon" else ts.get_velocity(x0, eps, tt)
     return reduce(pred, target, ts, tt)
 
@@ -339,6 +345,52 @@ def test_prior_preservation_loss_and_gradients_match_diffusers(snr_gamma):
     err = _relative_error(np.asarray(flat["conv_in.kernel"]).transpose(3, 2, 0, 1), ref.conv_in.weight.grad)
     print("relative gradient error", err)
     assert err < 1e-4
+
+
+def test_controlnet_loss_and_gradients_match_diffusers():
+    """A ControlNet step (train_controlnet_sdxl.py): diffusers' ControlNetModel.from_unet of the UNet, every
+    parameter then moved (zero convolutions too, so that the residuals matter), its residuals added to the
+    frozen UNet's; sdx's ControlNet with the same weights trained beside the UNet as train/controlnet.py
+    trains it (the UNet in the constants): the same loss and ControlNet gradients in float32."""
+    from sdx.controlnet import ControlNetConfig, ControlNetModel
+
+    case = CASES[1]  # v-prediction, min-SNR, offset noise, input perturbation, half the captions dropped
+    ref, unet = _models(4)
+    ref.requires_grad_(False)
+    cn_ref = diffusers.ControlNetModel.from_unet(ref)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in cn_ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    cn_cfg = ControlNetConfig.from_diffusers_config(dict(cn_ref.config))
+    net = W.load_torch_state(W.abstract(lambda r: ControlNetModel(cn_cfg, rngs=r)),
+                             {k: v.numpy() for k, v in cn_ref.state_dict().items()}, where="test")
+    batch = _batch(6, False)
+    batch["control"] = np.random.default_rng(4).uniform(0, 1, (6, 64, 64, 3)).astype(np.float32)  # 8x the latents
+    graphdef, params, base = nnx.split(nnx.Dict({"unet": unet, "controlnet": net}),
+                                       nnx.All(nnx.Param, nnx.PathContains("controlnet")), ...)
+    cfg = dataclasses.replace(_loss_config(case), controlnet=True)
+    fn, constants = steplib.trained_in_part(denoise.loss_fn(graphdef, cfg), jax.tree.map(jnp.asarray, NULL), base)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    (loss, _), grads = jax.jit(jax.value_and_grad(fn, has_aux=True))(params, jax.tree.map(jnp.asarray, batch), keys,
+                                                                     constants)
+    ref_loss = _reference_loss(ref, case, batch, keys, controlnet=cn_ref)
+    ref_loss.backward()
+    print("loss", float(loss), ref_loss.item())
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=2e-5)
+    flat = {".".join(map(str, p[1:])): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+    assert all(p[0] == "controlnet" for p, _ in nnx.to_flat_state(grads))  # the UNet does not train
+    torch_grads = {k: p.grad for k, p in cn_ref.named_parameters()}
+    checked = {  # sdx layout -> torch's: conv HWIO -> OIHW, linear (in, out) -> (out, in)
+        "controlnet_cond_embedding.conv_in.kernel": (3, 2, 0, 1), "controlnet_down_blocks.0.kernel": (3, 2, 0, 1),
+        "controlnet_mid_block.kernel": (3, 2, 0, 1), "conv_in.kernel": (3, 2, 0, 1),
+        "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_q.kernel": (1, 0),
+        "add_embedding.linear_1.kernel": (1, 0),
+    }
+    for name, order in checked.items():
+        err = _relative_error(flat[name].transpose(order), torch_grads[name.replace("kernel", "weight")])
+        print(name, "relative gradient error", err)
+        assert err < 1e-4
 
 
 def _shared_adapters(model: nnx.Module, layer_of, seed: int = 7) -> dict:

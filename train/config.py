@@ -1,7 +1,8 @@
 """A training run as one frozen dataclass, and the command line that fills it.
 
 The flags are diffusers' training-script flags with the same meaning and defaults
-(train_instruct_pix2pix(_sdxl).py, train_text_to_image(_sdxl).py, train_dreambooth(_lora).py), accepted
+(train_instruct_pix2pix(_sdxl).py, train_text_to_image(_sdxl).py, train_dreambooth(_lora).py,
+train_controlnet(_sdxl).py), accepted
 with underscores and with dashes (`--train_batch_size` and `--train-batch-size`), so a diffusers command
 line runs after swapping `accelerate launch X.py` for `python -m train.X`. A diffusers flag sdx does not
 implement is an error naming it, never silently ignored. Differences, on purpose:
@@ -37,7 +38,7 @@ from sdx.errors import ArgumentParser, SdxError
 from train.lr import SCHEDULES
 from train.objective import PREDICTION_TYPES
 
-TASKS = ("pix2pix", "text_to_image", "dreambooth", "vae")
+TASKS = ("pix2pix", "text_to_image", "dreambooth", "controlnet", "vae")
 LORA_TASKS = ("text_to_image", "dreambooth")
 EXPORT_FORMATS = ("sdx", "diffusers")
 
@@ -66,6 +67,7 @@ UNSUPPORTED = {
     "offset_noise": "give --noise_offset 0.1 (the same offset noise, of any scale)",
     "prior_generation_precision": "class images are sampled by the models as loaded for training; drop the flag",
     "pre_compute_text_embeddings": "frozen text encoders already run outside the step; drop the flag",
+    "tokenizer_name": "the tokenizers are the model's own",
 }
 
 # diffusers flags (store_true) that change nothing sdx computes: accepted, ignored with a note.
@@ -76,6 +78,8 @@ IGNORED = {
     "offload_ema": "it moves the EMA to the CPU between steps, not the math; sdx keeps the EMA sharded with the "
                    "parameters",
     "foreach_ema": "it chooses torch's batched EMA update, not the math; sdx's EMA update is part of the step",
+    "set_grads_to_none": "it frees torch's gradient buffers between steps, not the math; sdx's gradients live "
+                         "inside the compiled step",
 }
 
 
@@ -97,6 +101,7 @@ class TrainConfig:
     edited_image_column: str = "edited_image"
     image_column: str = "image"
     caption_column: str = "text"
+    conditioning_image_column: str = "conditioning_image"
     max_train_samples: int | None = None
     resolution: int = 512
     center_crop: bool = False
@@ -112,6 +117,8 @@ class TrainConfig:
     prior_loss_weight: float = 1.0
     num_class_images: int = 100
     sample_batch_size: int = 4
+    # ControlNet: start from this ControlNet (else a copy of the UNet's encoder half, diffusers' from_unet)
+    controlnet_model_name_or_path: str | None = None
     # optimisation
     output_dir: str = "sdx-model-finetuned"
     seed: int = 0
@@ -166,6 +173,7 @@ class TrainConfig:
     resume_from_checkpoint: str | None = None
     validation_prompt: tuple[str, ...] = ()
     val_image_url_or_path: str | None = None
+    validation_image: tuple[str, ...] = ()
     num_validation_images: int = 4
     validation_steps: int | None = None
     validation_epochs: int | None = None
@@ -184,6 +192,8 @@ _DEFAULTS = {
     "text_to_image": {"resolution": 512, "output_dir": "sd-model-finetuned"},
     "dreambooth": {"resolution": 512, "output_dir": "text-inversion-model", "train_batch_size": 4,
                    "num_train_epochs": 1, "learning_rate": 5e-6},
+    "controlnet": {"resolution": 512, "output_dir": "controlnet-model", "train_batch_size": 4, "num_train_epochs": 1,
+                   "learning_rate": 5e-6},
     "vae": {"resolution": 256, "output_dir": "vae-finetuned", "learning_rate": 4.5e-6},
 }
 # `python -m train.X_lora`'s defaults over X's (diffusers' train_text_to_image_lora.py, train_dreambooth_lora.py)
@@ -239,13 +249,18 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("edited_image_column", "the image after the edit")
     elif task != "dreambooth":
         opt("image_column", "the image column")
-        if task == "text_to_image":
+        if task in ("text_to_image", "controlnet"):
             opt("caption_column", "the caption column")
+        if task == "controlnet":
+            opt("conditioning_image_column", "the control image column (edges, depth, ...)")
+            opt("controlnet_model_name_or_path", "start from this ControlNet (what `python -m sdx.sample "
+                "--controlnet` takes); default: a copy of the UNet's encoder half, zero convolutions zero")
     if task != "dreambooth":
         opt("max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
     opt("resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
-    _bool(p, "center_crop", "crop the center (default: a random crop)")
-    _bool(p, "random_flip", "flip horizontally with probability 1/2")
+    if task != "controlnet":  # diffusers' ControlNet scripts crop the center, unflipped: so does sdx
+        _bool(p, "center_crop", "crop the center (default: a random crop)")
+        _bool(p, "random_flip", "flip horizontally with probability 1/2")
     opt("dataloader_num_workers", "data loading worker processes (0: in the main process)", type=int)
     if task in ("pix2pix", "text_to_image"):
         _bool(p, "cache_latents", "encode the dataset once (VAE moments, text embeddings) into output_dir/cache")
@@ -292,7 +307,7 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("input_perturbation", "input perturbation scale", type=float)
         if task == "pix2pix":
             opt("conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
-        elif task == "text_to_image":
+        else:
             opt("proportion_empty_prompts", "replace this proportion of captions by the empty prompt", type=float)
     else:
         opt("kl_weight", "weight of the KL term", type=float)
@@ -318,6 +333,9 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         if task == "pix2pix":
             _flag_with_alias(p, "val_image_url_or_path", "--val_image_url", default=None,
                   help="the image validation edits (a local path)")
+        if task == "controlnet":
+            opt("validation_image", "control image(s) of the validation (local paths): one, one per prompt, or "
+                "several for one prompt", nargs="+")
         opt("num_validation_images", "images per validation prompt", type=int)
         opt("validation_inference_steps", "sampler steps of validation images", type=int)
     opt("validation_steps", "validate every N optimizer steps", type=int)
@@ -350,8 +368,9 @@ def parse(task: str, argv: list[str] | None = None, lora: bool = False) -> Train
             continue
         kept.append(arg)
     values = dict(vars(p.parse_args(kept)))
-    if "validation_prompt" in values:
-        values["validation_prompt"] = tuple(values["validation_prompt"])
+    for name in ("validation_prompt", "validation_image"):
+        if name in values:
+            values[name] = tuple(values[name] or ())
     if values["mixed_precision"] == "fp16":
         _note("--mixed_precision fp16 runs as bf16: bfloat16 compute with float32 master weights (float16 would "
               "need loss scaling, which sdx does not do)")
@@ -435,6 +454,13 @@ def check(c: TrainConfig) -> None:
     if c.train_text_encoder and c.rank is None:
         raise SdxError(f"--train_text_encoder trains LoRA adapters on the text encoders: give --rank (or run "
                        f"python -m train.{c.task}_lora); whole text encoders are not fine-tuned")
+    if c.task == "controlnet" and c.validation_prompt:
+        n, m = len(c.validation_prompt), len(c.validation_image)
+        if m == 0:
+            raise SdxError("--validation_prompt needs --validation_image (the control image) for a ControlNet")
+        if not (m == 1 or n == 1 or m == n):
+            raise SdxError(f"--validation_prompt ({n}) and --validation_image ({m}): give one image, one prompt, "
+                           "or as many of each (diffusers' pairing)")
     if c.task == "pix2pix" and c.validation_prompt and not c.val_image_url_or_path:
         raise SdxError("--validation_prompt needs --val_image_url_or_path (the image to edit) for pix2pix")
 

@@ -38,7 +38,8 @@ class DenoiseConfig:
     proportion_empty_prompts); conditioning_dropout: InstructPix2Pix's p (text, image, both); text_dtype:
     the text encoders' compute dtype when they train (run in the loss), None when the batch holds their
     output; prior_loss_weight: DreamBooth's prior preservation (the batch's "prior" flags its class images,
-    half of it), or None."""
+    half of it), or None; controlnet: a ControlNet trains, its residuals (of the batch's "control" image)
+    added to the frozen UNet's skips and mid block."""
 
     family: Family
     scheduler: Scheduler
@@ -51,6 +52,7 @@ class DenoiseConfig:
     conditioning_dropout: float = 0.0
     text_dtype: str | None = None
     prior_loss_weight: float | None = None
+    controlnet: bool = False
 
 
 def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None, batch: Mapping[str, jax.Array],
@@ -77,6 +79,8 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None,
         out["time_ids"] = batch["time_ids"]
     if "prior" in batch:  # DreamBooth's class images (B,)
         out["prior"] = batch["prior"]
+    if "conditioning_pixels" in batch:  # a ControlNet's image, [-1, 1] -> [0, 1] (B, H, W, 3)
+        out["control"] = (batch["conditioning_pixels"] + 1) / 2
     if family.pix2pix:
         image = vae.encode(batch["original_pixels"]).mode()
         out["image_latents"] = image * vae.config.scaling_factor if family.scaled_image_latents else image
@@ -89,7 +93,8 @@ def loss_fn(graphdef, cfg: DenoiseConfig) -> functools.partial:
     partial of module functions and values, so a compiled step is keyed by it (`pipelines.executables`).
 
     graphdef: the UNet's; with `cfg.text_dtype`, an nnx.Dict's of "unet" and each of `family.encoders`,
-    and `null` is {"ids": (E, 77)}, the empty prompt's ids, unless the family uses zeros for no prompt."""
+    and `null` is {"ids": (E, 77)}, the empty prompt's ids, unless the family uses zeros for no prompt;
+    with `cfg.controlnet`, an nnx.Dict's of "unet" and "controlnet"."""
     return functools.partial(_loss, graphdef, cfg)
 
 
@@ -101,15 +106,20 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     t = objective.timesteps(keys, sched.num_train_timesteps)
     noisy = training.add_noise(sched, latents, noise_in, t)
     drop_text, drop_image = _dropout(cfg, keys)
+    unet = model["unet"] if isinstance(model, nnx.Dict) else model
     if cfg.text_dtype is None:
-        unet, cond = model, objective.mix_conditioning(drop_text, drop_image, batch, null)
+        cond = objective.mix_conditioning(drop_text, drop_image, batch, null)
     else:
-        unet, cond = model["unet"], _encoded(cfg, model, batch, drop_text, null)
+        cond = _encoded(cfg, model, batch, drop_text, null)
     added = {"text_embeds": cond["pooled"], "time_ids": batch["time_ids"]} if cfg.family.xl else None
     model_in = noisy
     if cfg.family.pix2pix:
         model_in = jnp.concatenate([noisy, cond["image_latents"].astype(noisy.dtype)], axis=-1)  # (B, h, w, 2C)
-    pred = unet(model_in, t, cond["context"], added).astype(jnp.float32)
+    residuals = {}
+    if cfg.controlnet:
+        down, mid = model["controlnet"](model_in, t, cond["context"], batch["control"], 1.0, added)
+        residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+    pred = unet(model_in, t, cond["context"], added, **residuals).astype(jnp.float32)
     target = objective.target(sched, cfg.prediction_type, latents, noise, t)
     weights = None
     if cfg.snr_gamma is not None:

@@ -20,6 +20,7 @@ encoders run in the loss (`train.denoise`), and the file holds their adapters be
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -29,8 +30,8 @@ from flax import nnx
 
 from pipelines import text as textlib
 from pipelines.guidance import null_conditioning
-from pipelines.pipeline import NonFiniteImages, Pipeline, _trained_size
-from pipelines.sampler import Sampler
+from pipelines.pipeline import NonFiniteImages, Pipeline
+from pipelines.sampler import controlnet_name
 from pipelines.request import Request
 from sdx import mesh as meshlib
 from sdx import lora, model_folder, schedulers
@@ -83,7 +84,7 @@ class DiffusionTask:
             prior_loss_weight=cfg.prior_loss_weight if cfg.with_prior_preservation else None,
         )
         self.prediction_type = prediction_type
-        self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
+        self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop or cfg.task == "controlnet",
                                         random_flip=cfg.random_flip, seed=cfg.seed,
                                         tokenize=tokenizer_fn(fam, m.tokenizers))
         self.constants = null_conditioning(fam, m.encoders, m.tokenizers, text_dtype)  # the loss's `null`
@@ -103,7 +104,7 @@ class DiffusionTask:
 
         self._encode = jax.jit(encode)
         self.cache: cachelib.LatentCache | None = None
-        self._sampler: Sampler | None = None  # `pipeline`'s
+        self._pipeline: Pipeline | None = None  # `pipeline`'s, kept
 
     # ---- what the loop calls
 
@@ -130,7 +131,7 @@ class DiffusionTask:
         """The loader's numpy batch -> the arrays the frozen encoders read."""
         fam, res = self.models.family, self.cfg.resolution
         out = {"index": np.asarray(host["index"]), "ids": {e: host["ids"][e] for e in fam.encoders}}
-        for k in ("pixels", "original_pixels", "edited_pixels", "prior"):
+        for k in ("pixels", "original_pixels", "edited_pixels", "conditioning_pixels", "prior"):
             if k in host:
                 out[k] = host[k]
         if fam.xl:
@@ -163,44 +164,51 @@ class DiffusionTask:
         return jax.tree_util.tree_map_with_path(lambda path, _: 1.0 if path[0].key == "unet" else ratio, params)
 
     def trained(self, module: nnx.Module) -> dict[str, nnx.Module]:
-        """{component: model} of the module the loop trains: the UNet, and the text encoders when they train."""
-        return dict(module.items()) if self.cfg.train_text_encoder else {"unet": module}
+        """{component: model} of the module the loop trains: the UNet, with the text encoders when they train,
+        or with the ControlNet."""
+        return dict(module.items()) if isinstance(module, nnx.Dict) else {"unet": module}
 
     def pipeline(self, module: nnx.Module, name: str) -> Pipeline:
         """The model's pipeline with the trained module's weights (LoRA: its adapters fused in, as `--lora`
         fuses them) and the frozen models. Its sampler is made at the first call and kept: later calls run the
-        same programs with the new weights (a new Sampler compiled them again, or read them from the cache
+        same programs with the new weights (a new one compiled them again, or read them from the cache
         folder when there is one)."""
         m = self.models
         trained = self.trained(module)
         if self.cfg.rank:
             trained = {n: lora.fused(model) for n, model in trained.items()}
-        factor = m.vae.config.downsample_factor
-        if self._sampler is None:
-            self._sampler = Sampler({"vae": m.vae, **m.encoders, **trained}, self.mesh)
+        nets = (trained.pop("controlnet"),) if "controlnet" in trained else ()
+        if self._pipeline is None:
+            self._pipeline = Pipeline.from_models(
+                {"vae": m.vae, **m.encoders, **trained}, family=m.family, tokenizers=m.tokenizers, mesh=self.mesh,
+                scheduler=schedulers.from_config(m.scheduler_config), name=name, controlnets=nets)
         else:
-            for n, model in trained.items():
-                self._sampler.update(n, model)
-        return Pipeline(family=m.family, scheduler=schedulers.from_config(m.scheduler_config), tokenizers=m.tokenizers,
-                        sampler=self._sampler, factor=factor, multiple=factor, channels=m.vae.config.latent_channels,
-                        default_size=_trained_size(trained["unet"].config.sample_size) * factor, name=name)
+            for n, model in {**trained, **{controlnet_name(k): net for k, net in enumerate(nets)}}.items():
+                self._pipeline.sampler.update(n, model)
+            self._pipeline = dataclasses.replace(self._pipeline, name=name, controlnets=nets)
+        return self._pipeline
 
     def validate(self, module: nnx.Module, step: int, metrics) -> None:
         cfg, m = self.cfg, self.models
         pipe = self.pipeline(module, f"{cfg.output_dir}@{step}")
-        image = None
-        if m.family.pix2pix:
-            image = data.load_image(cfg.val_image_url_or_path, cfg.resolution)[None]
         size = cfg.resolution
-        request = Request(prompts=list(cfg.validation_prompt), height=size, width=size,
-                          steps=cfg.validation_inference_steps, num_images_per_prompt=cfg.num_validation_images,
-                          seed=cfg.seed, image=image, guidance_scale=5.0 if m.family.xl else 7.5)
+        inputs = {"prompts": list(cfg.validation_prompt), **self.validation_inputs()}
+        request = Request(height=size, width=size, steps=cfg.validation_inference_steps,
+                          num_images_per_prompt=cfg.num_validation_images, seed=cfg.seed,
+                          guidance_scale=5.0 if m.family.xl else 7.5, **inputs)
         try:
             images = pipe(request)
         except NonFiniteImages as e:  # a diverging model: say so, log the rest (the bad ones black)
             self.log(f"validation at step {step}: {e}")
             images = np.nan_to_num(e.images, nan=0.0, posinf=0.0, neginf=0.0)
         metrics.image(step, "validation", _grid((images * 255).round().astype(np.uint8), cfg.num_validation_images))
+
+    def validation_inputs(self) -> dict:
+        """What a validation request takes besides its settings: InstructPix2Pix's image to edit (the prompts
+        are --validation_prompt unless given here)."""
+        if not self.models.family.pix2pix:
+            return {}
+        return {"image": data.load_image(self.cfg.val_image_url_or_path, self.cfg.resolution)[None]}
 
     def export(self, module: nnx.Module, out: Path) -> None:
         m = self.models

@@ -1,5 +1,5 @@
 """Writing the trained model: an sdx folder in --output_dir itself, optionally a diffusers folder too; or,
-for a LoRA run, the adapters alone (`write_lora`).
+for a LoRA run, the adapters alone (`write_lora`); or a trained ControlNet (`write_controlnet`).
 
 `python -m sdx.sample --model OUTPUT_DIR` loads the result. The output folder also holds checkpoints,
 logs and validation images, so the model is built complete in a temporary folder beside it and its
@@ -63,6 +63,22 @@ def write_model(
     if export_format == "diffusers":
         convert_lib.convert(out, out / "diffusers", fmt="diffusers", overwrite=True, log=lambda _m: None)
         log(f"diffusers folder written to {out / 'diffusers'}")
+    return out
+
+
+def write_controlnet(out: Path, part: model_folder.ModelPart, *, log=print) -> Path:
+    """Write a trained ControlNet into `out` as diffusers' save_pretrained does (config.json and
+    diffusion_pytorch_model.safetensors beside the checkpoints): built in a temporary folder, then moved in,
+    config.json last."""
+    from convert import controlnet_folder
+
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".controlnet-", dir=out) as tmp:
+        built = controlnet_folder.write_diffusers(part, Path(tmp) / "controlnet")
+        for entry in sorted(built.iterdir(), key=lambda p: p.name == "config.json"):
+            os.replace(entry, out / entry.name)
+    log(f"ControlNet written to {out} (python -m sdx.sample --controlnet {out}; diffusers' "
+        "ControlNetModel.from_pretrained)")
     return out
 
 

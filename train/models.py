@@ -64,10 +64,15 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
                          log=log, options=options, variant=cfg.variant, revision=cfg.revision)
 
 
+def unet_frozen(cfg: TrainConfig) -> bool:
+    """Whether the UNet's own weights stay as they are: LoRA trains adapters, ControlNet a ControlNet."""
+    return bool(cfg.rank) or cfg.task == "controlnet"
+
+
 def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
     """How each model runs on `mesh` (whose devices split the batch): the UNet trains in the compute dtype
-    with float32 master weights (under LoRA, `--rank`, its frozen weights are kept in the compute dtype, as
-    diffusers' LoRA scripts keep them, and only the adapters are float32); the text encoders run in the
+    with float32 master weights (frozen, under LoRA or when a ControlNet trains, it is kept in the compute
+    dtype, as diffusers' scripts keep it, and only the adapters or the ControlNet are float32); the text encoders run in the
     compute dtype, their layers rematerialised under `--gradient_checkpointing` when they train; without
     `--attention`, each model takes the sampler's backend for its dtype (`chunked` on a CPU:
     benchmarks/README.md, a training step 0.73× the time of `xla`'s)."""
@@ -75,8 +80,8 @@ def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
     shards = mesh.devices.size if mesh is not None else 1
     run = lambda d: dict(attention=cfg.attention or attention.default_backend(d), batch_shards=shards)
     return {
-        "unet": Compute(dtype=dtype, param_dtype=dtype if cfg.rank else jnp.float32, remat=cfg.gradient_checkpointing,
-                        **run(dtype)),
+        "unet": Compute(dtype=dtype, param_dtype=dtype if unet_frozen(cfg) else jnp.float32,
+                        remat=cfg.gradient_checkpointing, **run(dtype)),
         "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, **run(jnp.float32)),
         "text": Compute(dtype=dtype, param_dtype=dtype, remat=cfg.gradient_checkpointing and cfg.train_text_encoder,
                         **run(dtype)),
@@ -85,8 +90,8 @@ def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
 
 def load(cfg: TrainConfig, mesh, *, folder: Path, log=print, restoring: bool = False) -> Models:
     """restoring: a resumed run's UNet, whose weights come from the checkpoint: built abstract (its shapes,
-    dtypes and shardings), its weights neither read nor placed (SDXL's are 10 GB in float32). A LoRA run's
-    UNet is read either way: its checkpoint holds the adapters alone."""
+    dtypes and shardings), its weights neither read nor placed (SDXL's are 10 GB in float32). A frozen UNet
+    (`unet_frozen`) is read either way: the checkpoint holds the adapters or the ControlNet alone."""
     spec = model_folder.read_spec(folder)
     source = family_of(spec["pipeline_class"], set(spec["components"]), spec["extra"])
     if source.aesthetic:
@@ -97,7 +102,7 @@ def load(cfg: TrainConfig, mesh, *, folder: Path, log=print, restoring: bool = F
     if cfg.task != "pix2pix" and source.pix2pix:
         raise SdxError(f"{cfg.pretrained_model_name_or_path} is an InstructPix2Pix model; use python -m train.pix2pix")
     pix2pix = cfg.task == "pix2pix"
-    restoring = restoring and not cfg.rank
+    restoring = restoring and not unet_frozen(cfg)
     pipeline_class = PIX2PIX_CLASS[source.xl] if pix2pix else spec["pipeline_class"]
     family = family_of(pipeline_class, set(spec["components"]), spec["extra"])
     cp = computes(cfg, mesh)
