@@ -106,6 +106,14 @@ def test_controlnet_trains_resumes_exactly_and_loads_in_sdx_and_diffusers(tmp_pa
     assert np.abs((out[0] * 255).round().astype(int) - grid).max() <= 1
 
 
+def test_a_missing_controlnet_is_refused_before_any_model_loads(tmp_path):
+    root = _dataset(tmp_path / "data", count=2)
+    with pytest.raises(SdxError, match="no such folder or file"):
+        controlnet.train(["--pretrained_model_name_or_path", "tiny", "--train_data_dir", str(root), "--output_dir",
+                          str(tmp_path / "out"), "--controlnet_model_name_or_path", str(tmp_path / "none")])
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--validation_prompt", "a", "b", "--validation_image", "x.png", "y.png", "z.png"], "give one image, one prompt"),
     (["--validation_prompt", "a"], "--validation_prompt needs --validation_image"),

@@ -139,7 +139,10 @@ class ControlNetTask(diffusion.DiffusionTask):
 
 def open_data(cfg: TrainConfig) -> sources.Source:
     """The dataset with its image, control image and caption columns (a missing one is an error naming the
-    columns found); the validation's control images decoded now, not first at the first validation."""
+    columns found); the validation's control images decoded now, not first at the first validation, and
+    --controlnet_model_name_or_path read (its config and weights checked, nothing loaded) before any model."""
+    if cfg.controlnet_model_name_or_path:
+        read_controlnet_part(cfg.controlnet_model_name_or_path, cache_dir=cfg.cache_dir)
     for path in cfg.validation_image:
         try:
             data.load_image(path, cfg.resolution)
