@@ -7,6 +7,7 @@ tests/test_train_step.py."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -36,10 +37,13 @@ def _pictures(folder: Path, count: int, seed: int, size=(40, 48)) -> Path:
 
 
 def _cfg(tmp_path, **kw) -> config.TrainConfig:
-    argv = ["--pretrained_model_name_or_path", "tiny", "--instance_data_dir", str(tmp_path / "instance"),
-            "--instance_prompt", "a photo of sks dog", "--output_dir", str(tmp_path / "out")]
+    """The run these flags describe, on tmp_path/instance unless instance_data_dir=None."""
+    kw = {"instance_data_dir": tmp_path / "instance", **kw}
+    argv = ["--pretrained_model_name_or_path", "tiny", "--instance_prompt", "a photo of sks dog", "--output_dir",
+            str(tmp_path / "out")]
     for k, v in kw.items():
-        argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]
+        if v is not None:
+            argv += [f"--{k}"] if v is True else [f"--{k}", str(v)]
     return config.parse("dreambooth", argv)
 
 
@@ -102,6 +106,27 @@ def test_batches_pair_instance_and_class_samples_and_resume(tmp_path):
     alone = next(iter(_loader(tmp_path, prior=False)))
     np.testing.assert_array_equal(alone["index"], [0, 2])
     assert not alone["prior"].any()
+
+
+def test_a_dataset_s_captions_are_its_rows_prompts_and_repeats_lengthen_the_epoch(tmp_path):
+    """The SDXL DreamBooth LoRA script's --dataset_name / --caption_column / --repeats: each instance row
+    brings its own caption's tokens; the class rows keep --class_prompt's."""
+    folder = _pictures(tmp_path / "instance", 3, seed=0)
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps({"file_name": f"{i:02d}.png", "text": "x" * (i + 1)})
+                                                      for i in range(3)))
+    cfg = _cfg(tmp_path, instance_data_dir=None, dataset_name=folder, caption_column="text", repeats=4)
+    source = open_data(cfg)
+    assert len(source) == 12 and [source.instance[i].text for i in (0, 4, 11)] == ["x", "xx", "xxx"]
+
+    tokenize = lambda text: {"text_encoder": np.full((1, 77), len(text), np.int32)}
+    classes = sources.FolderSource(_pictures(tmp_path / "class", 2, seed=1), sources.Columns.images_only())
+    make = lambda s, seed: data.make_loader(s, data.Transform(resolution=16, seed=seed, tokenize=tokenize),
+                                            batch_size=3, seed=seed)
+    loader = DreamBoothLoader(make(source.instance, 0), make(classes, 9),
+                              {"instance": tokenize("sks"), "class": tokenize("a dog")})
+    batch = next(iter(loader))
+    captions = [len(source.instance[int(r)].text) for r in batch["row"][:3]]
+    np.testing.assert_array_equal(batch["ids"]["text_encoder"][:, 0, 0], captions + [5, 5, 5])
 
 
 @pytest.mark.parametrize("setup, words", [

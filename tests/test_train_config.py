@@ -127,7 +127,7 @@ BAD_VALUES = [
     ("text_to_image", ["--rank", "4", "--text_encoder_lr", "1e-5"], "with --train_text_encoder"),
     ("text_to_image", ["--rank", "4", "--train_text_encoder", "--text_encoder_lr", "0"], "give a positive one"),
     ("pix2pix", ["--rank", "4"], "unrecognized arguments: --rank"),
-    ("dreambooth", ["--instance_data_dir", "i"], "DreamBooth needs --instance_data_dir"),
+    ("dreambooth", ["--instance_data_dir", "i"], "DreamBooth needs one of --instance_data_dir and --dataset_name"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--with_prior_preservation"],
      "--with_prior_preservation needs --class_data_dir"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--num_class_images", "0"],
@@ -138,9 +138,10 @@ BAD_VALUES = [
      "give --rank (or run python -m train.dreambooth_lora)"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--offset_noise"], "--noise_offset 0.1"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--caption_column", "t"],
-     "unrecognized arguments: --caption_column"),
+     "--caption_column reads a --dataset_name's prompts"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--dataset_name", "d"],
-     "unrecognized arguments: --dataset_name"),
+     "DreamBooth needs one of --instance_data_dir and --dataset_name"),
+    ("dreambooth", ["--dataset_name", "d", "--instance_prompt", "sks", "--repeats", "0"], "--repeats must be at least 1"),
 ]
 
 

@@ -100,7 +100,7 @@ class TrainConfig:
     edit_prompt_column: str = "edit_prompt"
     edited_image_column: str = "edited_image"
     image_column: str = "image"
-    caption_column: str = "text"
+    caption_column: str | None = "text"
     conditioning_image_column: str = "conditioning_image"
     max_train_samples: int | None = None
     resolution: int = 512
@@ -117,6 +117,7 @@ class TrainConfig:
     prior_loss_weight: float = 1.0
     num_class_images: int = 100
     sample_batch_size: int = 4
+    repeats: int = 1
     # ControlNet: start from this ControlNet (else a copy of the UNet's encoder half, diffusers' from_unet)
     controlnet_model_name_or_path: str | None = None
     # optimisation
@@ -191,7 +192,7 @@ _DEFAULTS = {
     "pix2pix": {"resolution": 256, "output_dir": "instruct-pix2pix-model"},
     "text_to_image": {"resolution": 512, "output_dir": "sd-model-finetuned"},
     "dreambooth": {"resolution": 512, "output_dir": "text-inversion-model", "train_batch_size": 4,
-                   "num_train_epochs": 1, "learning_rate": 5e-6},
+                   "num_train_epochs": 1, "learning_rate": 5e-6, "caption_column": None},
     "controlnet": {"resolution": 512, "output_dir": "controlnet-model", "train_batch_size": 4, "num_train_epochs": 1,
                    "learning_rate": 5e-6},
     "vae": {"resolution": 256, "output_dir": "vae-finetuned", "learning_rate": 4.5e-6},
@@ -231,6 +232,10 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
 
     if task == "dreambooth":
         opt("instance_data_dir", "a folder of the subject's images (every image file in it, no metadata)")
+        opt("dataset_name", "or the subject's images as a dataset (what text-to-image's --dataset_name takes)")
+        opt("image_column", "--dataset_name: the image column")
+        opt("caption_column", "--dataset_name: a column of each image's own prompt (default: --instance_prompt for all)")
+        opt("repeats", "read each instance image this many times per epoch", type=int)
         opt("instance_prompt", "the prompt of every instance image, naming the subject (e.g. 'a photo of sks dog')")
         _bool(p, "with_prior_preservation", "also train on images of the subject's class under --class_prompt, "
               "so that the class keeps its look")
@@ -400,7 +405,7 @@ def check(c: TrainConfig) -> None:
         raise SdxError("give exactly one of --dataset_name (parquet) and --train_data_dir (image folder)")
     positive = ("resolution", "train_batch_size", "num_train_epochs", "gradient_accumulation_steps",
                 "checkpointing_steps", "fsdp", "lr_num_cycles", "num_validation_images", "validation_inference_steps",
-                "num_class_images", "sample_batch_size")
+                "num_class_images", "sample_batch_size", "repeats")
     for name in positive:
         if getattr(c, name) < 1:
             raise SdxError(f"--{name} must be at least 1, got {getattr(c, name)}")
@@ -467,8 +472,11 @@ def check(c: TrainConfig) -> None:
 
 def _check_dreambooth(c: TrainConfig) -> None:
     """DreamBooth's own flags (diffusers' train_dreambooth.py's checks)."""
-    if not c.instance_data_dir or not c.instance_prompt:
-        raise SdxError("DreamBooth needs --instance_data_dir (the subject's images) and --instance_prompt")
+    if bool(c.instance_data_dir) == bool(c.dataset_name) or not c.instance_prompt:
+        raise SdxError("DreamBooth needs one of --instance_data_dir and --dataset_name (the subject's images), and "
+                       "--instance_prompt")
+    if c.caption_column and not c.dataset_name:
+        raise SdxError("--caption_column reads a --dataset_name's prompts; an --instance_data_dir has none")
     if c.with_prior_preservation:
         if not c.class_data_dir or not c.class_prompt:
             raise SdxError("--with_prior_preservation needs --class_data_dir (where the class images are, or are "

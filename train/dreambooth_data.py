@@ -6,7 +6,9 @@ its class under the class prompt in every batch (diffusers' train_dreambooth.py)
     loader = DreamBoothLoader(instance_loader, class_loader, ids)
 
 The instance images are every image file of `--instance_data_dir` (sorted by path; a metadata.jsonl there
-is read as an image folder's). The class images are the first `--num_class_images` image files of
+is read as an image folder's), or the rows of `--dataset_name` (the SDXL DreamBooth LoRA script's), each
+with its own prompt from `--caption_column` when given (else `--instance_prompt`); `--repeats` reads each
+one that many times per epoch. The class images are the first `--num_class_images` image files of
 `--class_data_dir` in path order (diffusers takes them in directory order); when there are fewer, the
 missing ones are sampled first with `--class_prompt`, `--sample_batch_size` at a time, and written as
 `{number}-{sha1 of the pixels}.jpg` as diffusers names them. An epoch is diffusers' dataset length:
@@ -76,12 +78,19 @@ def image_files(folder: Path) -> list[Path]:
 
 def open_data(cfg: TrainConfig) -> DreamBoothData:
     """The instance images, checked; the class folder checked to be writable when images must be sampled."""
-    root = Path(cfg.instance_data_dir)
-    if not root.is_dir():
-        raise SdxError(f"--instance_data_dir {root} is not a folder")
-    if not image_files(root):
-        raise SdxError(f"--instance_data_dir {root} holds no image files ({', '.join(sources.IMAGE_EXTENSIONS)})")
-    instance = sources.FolderSource(root, sources.Columns.images_only(), name=f"--instance_data_dir {root}")
+    if cfg.dataset_name:
+        columns = sources.Columns(images=(cfg.image_column,), text=cfg.caption_column, names=("pixels",))
+        instance = sources.open_source(cfg.dataset_name, columns, max_samples=None, seed=cfg.seed,
+                                       cache_dir=cfg.cache_dir)
+    else:
+        root = Path(cfg.instance_data_dir)
+        if not root.is_dir():
+            raise SdxError(f"--instance_data_dir {root} is not a folder")
+        if not image_files(root):
+            raise SdxError(f"--instance_data_dir {root} holds no image files ({', '.join(sources.IMAGE_EXTENSIONS)})")
+        instance = sources.FolderSource(root, sources.Columns.images_only(), name=f"--instance_data_dir {root}")
+    if cfg.repeats > 1:
+        instance = sources.Subset(instance, np.tile(np.arange(len(instance)), cfg.repeats))
     class_dir = None
     if cfg.with_prior_preservation:
         class_dir = Path(cfg.class_data_dir)
@@ -111,7 +120,8 @@ def sample_class_images(source: DreamBoothData, generate, cfg: TrainConfig, log=
 
 class DreamBoothLoader:
     """One host's batches (see the module docstring), with `data.Loader`'s interface: iter, state, restore,
-    skipped, close. ids: {"instance": {encoder: (1, 77)}, "class": ...}, each prompt's tokens."""
+    skipped, close. ids: {"instance": {encoder: (1, 77)}, "class": ...}, each prompt's tokens, for the rows
+    whose batch has no "ids" of its own (captions)."""
 
     def __init__(self, instance: data.Loader, classes: data.Loader | None, ids: Mapping[str, Mapping[str, np.ndarray]]):
         self.parts = {"instance": instance} | ({"class": classes} if classes is not None else {})
@@ -147,7 +157,8 @@ class DreamBoothLoader:
             out[k] = np.concatenate([b[k] for b in batches])
         out["index"] = np.concatenate([2 * b["index"] + part for part, b in enumerate(batches)])
         out["prior"] = np.concatenate([np.full(len(b["index"]), part == 1) for part, b in enumerate(batches)])
-        out["ids"] = {e: np.concatenate([np.repeat(self.ids[name][e][None], len(b["index"]), 0)
+        out["ids"] = {e: np.concatenate([b["ids"][e] if "ids" in b  # the rows' own captions, else the part's prompt
+                                         else np.repeat(self.ids[name][e][None], len(b["index"]), 0)
                                          for name, b in zip(self.parts, batches)])  # (B, 1, 77)
                       for e in self.ids["instance"]}
         return out
