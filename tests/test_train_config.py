@@ -72,7 +72,7 @@ def _error(capsys, task, argv) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("flag", ["--timestep_bias_strategy=later", "--use_8bit_adam", "--push_to_hub",
+@pytest.mark.parametrize("flag", ["--image_interpolation_mode=lanczos", "--use_8bit_adam", "--push_to_hub",
                                   "--allow-tf32", "--non_ema_revision=main", "--dream_training"])
 def test_unimplemented_diffusers_flag_is_named(capsys, flag):
     msg = _error(capsys, "pix2pix", ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", flag])
@@ -127,6 +127,13 @@ BAD_VALUES = [
     ("text_to_image", ["--rank", "4", "--text_encoder_lr", "1e-5"], "with --train_text_encoder"),
     ("text_to_image", ["--rank", "4", "--train_text_encoder", "--text_encoder_lr", "0"], "give a positive one"),
     ("pix2pix", ["--rank", "4"], "unrecognized arguments: --rank"),
+    ("text_to_image", ["--timestep_bias_strategy", "later", "--timestep_bias_multiplier", "0"],
+     "--timestep_bias_multiplier must be positive"),
+    ("text_to_image", ["--timestep_bias_strategy", "earlier", "--timestep_bias_portion", "1.5"],
+     "--timestep_bias_portion must be in [0, 1]"),
+    ("text_to_image", ["--timestep_bias_strategy", "range", "--timestep_bias_begin", "500", "--timestep_bias_end",
+                       "200"], "give 0 <= begin < end"),
+    ("text_to_image", ["--timestep_bias_strategy", "middle"], "invalid choice: 'middle'"),
     ("dreambooth", ["--instance_data_dir", "i"], "DreamBooth needs one of --instance_data_dir and --dataset_name"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--with_prior_preservation"],
      "--with_prior_preservation needs --class_data_dir"),

@@ -248,3 +248,44 @@ def test_big_batch_loss_is_the_mean_of_equal_micro_batch_losses():
     micro = [float(objective.loss(pred[i], target[i], weights[i])) for i in range(2)]
     whole = float(objective.loss(pred.reshape(16, *SHAPE), target.reshape(16, *SHAPE), weights.reshape(16)))
     assert np.isclose(np.mean(micro), whole, rtol=1e-6)
+
+
+def _diffusers_timestep_weights(strategy, multiplier, begin, end, portion, num_timesteps=1000) -> torch.Tensor:
+    """train_text_to_image_sdxl.py's generate_timestep_weights, transcribed (the examples are not a package)."""
+    weights = torch.ones(num_timesteps)
+    num_to_bias = int(portion * num_timesteps)
+    if strategy == "later":
+        bias_indices = slice(-num_to_bias, None)
+    elif strategy == "earlier":
+        bias_indices = slice(0, num_to_bias)
+    else:
+        bias_indices = slice(begin, end)
+    weights[bias_indices] *= multiplier
+    weights /= weights.sum()
+    return weights
+
+
+BIASES = [("later", 2.0, 0, 1000, 0.25), ("earlier", 5.0, 0, 1000, 0.1), ("range", 3.0, 200, 500, 0.25),
+          ("later", 0.5, 0, 1000, 0.0), ("later", 4.0, 0, 1000, 0.333)]
+
+
+@pytest.mark.parametrize("bias", BIASES)
+def test_timestep_bias_weights_and_draws_are_diffusers(bias):
+    """The weights equal diffusers' generate_timestep_weights; 20k draws (one per sample key, as the step
+    draws them) land in the biased timesteps as often as the weights say (within 4 standard deviations)."""
+    ours = objective.TimestepBias(*bias).weights(1000)
+    theirs = _diffusers_timestep_weights(*bias).double().numpy()
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    keys = sample_keys(jax.random.key(1), np.arange(20_000))
+    t = np.asarray(jax.jit(lambda k: objective.timesteps(k, 1000, objective.TimestepBias(*bias)))(keys))
+    assert t.min() >= 0 and t.max() < 1000
+    heavy = ours > ours.min()  # the biased timesteps (all False when the bias changes nothing)
+    want = ours[heavy].sum() if heavy.any() else 0.0
+    got = np.isin(t, np.flatnonzero(heavy)).mean()
+    assert abs(got - want) < 4 * np.sqrt(max(want * (1 - want), 1e-9) / len(t)) + 1e-9, (got, want)
+    assert len(np.unique(t)) > 900  # every timestep can be drawn
+
+
+def test_a_range_outside_the_schedule_is_refused():
+    with pytest.raises(SdxError, match="must lie in"):
+        objective.TimestepBias("range", 2.0, 0, 1200).weights(1000)

@@ -441,12 +441,13 @@ def test_accumulation_equals_one_big_batch():
     assert int(s2.step) == 1
 
 
-def _loop_step(model, batch, *, schedule=("constant", 1e-3), beta2=0.999, decay=0.9, snr_gamma=None) -> dict:
+def _loop_step(model, batch, *, schedule=("constant", 1e-3), beta2=0.999, decay=0.9, **loss) -> dict:
     """`compile_step`'s arguments as train/loop.py makes them: every piece a value (AdamW under a train.lr
-    schedule, EMA, the denoising loss), so `pipelines.executables` keys the program."""
+    schedule, EMA, the denoising loss; `loss`: more DenoiseConfig fields), so `pipelines.executables` keys
+    the program."""
     fam = Family(xl=True, pix2pix=False, aesthetic=False, encoders=("text_encoder", "text_encoder_2"), force_zeros=True)
     cfg = denoise.DenoiseConfig(family=fam, scheduler=schedulers.from_name("ddpm", SCHED), vae=VAE,
-                                prediction_type="epsilon", text_drop=0.3, snr_gamma=snr_gamma)
+                                prediction_type="epsilon", text_drop=0.3, **loss)
     graphdef, params = nnx.split(model)
     learning_rate = lrlib.schedule(*schedule, warmup_steps=2, total_steps=10)
     tx = optlib.AdamW(learning_rate, beta2=beta2, max_grad_norm=1.0)
@@ -495,8 +496,9 @@ def test_the_loop_s_step_is_keyed_by_every_setting_of_its_loss_optimizer_schedul
         return executables.path_of(fn, args, options)
 
     changed = [key(schedule=("constant", 2e-3)), key(schedule=("cosine", 1e-3)), key(beta2=0.99), key(decay=0.99),
-               key(snr_gamma=5.0)]
-    assert None not in changed and len({key(), *changed}) == 6
+               key(snr_gamma=5.0), key(timestep_bias=objective.TimestepBias("later", 2.0)),
+               key(timestep_bias=objective.TimestepBias("later", 3.0))]
+    assert None not in changed and len({key(), *changed}) == 8
 
 
 @pytest.mark.parametrize("use_ema", [True, False])

@@ -52,11 +52,6 @@ UNSUPPORTED = {
     "non_ema_revision": "the non-EMA weights come from --pretrained_model_name_or_path and --revision",
     "dream_training": "DREAM is not implemented",
     "dream_detail_preservation": "DREAM is not implemented",
-    "timestep_bias_strategy": "timestep bias is not implemented (timesteps are drawn uniformly)",
-    "timestep_bias_multiplier": "timestep bias is not implemented (timesteps are drawn uniformly)",
-    "timestep_bias_begin": "timestep bias is not implemented (timesteps are drawn uniformly)",
-    "timestep_bias_end": "timestep bias is not implemented (timesteps are drawn uniformly)",
-    "timestep_bias_portion": "timestep bias is not implemented (timesteps are drawn uniformly)",
     "dataset_config_name": "point --dataset_name at the configuration's parquet folder instead",
     "tracker_project_name": "only TensorBoard (--report_to tensorboard) is written",
     "local_rank": "multi-host runs use jax.distributed (JAX's coordinator variables), not a rank flag",
@@ -155,6 +150,11 @@ class TrainConfig:
     input_perturbation: float = 0.0
     conditioning_dropout_prob: float | None = None
     proportion_empty_prompts: float = 0.0
+    timestep_bias_strategy: str = "none"
+    timestep_bias_multiplier: float = 1.0
+    timestep_bias_begin: int = 0
+    timestep_bias_end: int = 1000
+    timestep_bias_portion: float = 0.25
     # EMA
     use_ema: bool = False
     ema_decay: float = 0.9999
@@ -309,6 +309,13 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("prediction_type", "training target (default: the model's scheduler config)", choices=PREDICTION_TYPES)
         opt("snr_gamma", "min-SNR loss weighting with this gamma (5.0 is the paper's)", type=float)
         opt("noise_offset", "offset noise scale", type=float)
+        opt("timestep_bias_strategy", "weigh the timesteps drawn: the later or earlier --timestep_bias_portion of "
+            "them, or [--timestep_bias_begin, --timestep_bias_end), times --timestep_bias_multiplier",
+            choices=("none", "earlier", "later", "range"))
+        opt("timestep_bias_multiplier", "the biased timesteps' weight (the others' is 1)", type=float)
+        opt("timestep_bias_begin", "range: the first biased timestep", type=int)
+        opt("timestep_bias_end", "range: the biased timesteps end before this one", type=int)
+        opt("timestep_bias_portion", "earlier/later: the share of the timesteps biased", type=float)
         opt("input_perturbation", "input perturbation scale", type=float)
         if task == "pix2pix":
             opt("conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
@@ -435,6 +442,15 @@ def check(c: TrainConfig) -> None:
         raise SdxError(f"--ema_min_decay {c.ema_min_decay} is above --ema_decay {c.ema_decay}")
     if c.ema_inv_gamma <= 0 or c.ema_power <= 0:
         raise SdxError("--ema_inv_gamma and --ema_power must be positive")
+    if c.timestep_bias_strategy != "none":
+        if c.timestep_bias_multiplier <= 0:
+            raise SdxError(f"--timestep_bias_multiplier must be positive, got {c.timestep_bias_multiplier}; to draw "
+                           "timesteps uniformly, use --timestep_bias_strategy none")
+        if not 0 <= c.timestep_bias_portion <= 1:
+            raise SdxError(f"--timestep_bias_portion must be in [0, 1], got {c.timestep_bias_portion}")
+        if c.timestep_bias_strategy == "range" and not 0 <= c.timestep_bias_begin < c.timestep_bias_end:
+            raise SdxError(f"--timestep_bias_begin {c.timestep_bias_begin} and --timestep_bias_end "
+                           f"{c.timestep_bias_end}: give 0 <= begin < end")
     if c.snr_gamma is not None and c.snr_gamma <= 0:
         raise SdxError(f"--snr_gamma must be positive, got {c.snr_gamma}")
     if c.conditioning_dropout_prob is not None and not 0 <= c.conditioning_dropout_prob <= 1 / 3:

@@ -39,7 +39,7 @@ class DenoiseConfig:
     the text encoders' compute dtype when they train (run in the loss), None when the batch holds their
     output; prior_loss_weight: DreamBooth's prior preservation (the batch's "prior" flags its class images,
     half of it), or None; controlnet: a ControlNet trains, its residuals (of the batch's "control" image)
-    added to the frozen UNet's skips and mid block."""
+    added to the frozen UNet's skips and mid block; timestep_bias: the timesteps' weights (None: uniform)."""
 
     family: Family
     scheduler: Scheduler
@@ -53,6 +53,7 @@ class DenoiseConfig:
     text_dtype: str | None = None
     prior_loss_weight: float | None = None
     controlnet: bool = False
+    timestep_bias: objective.TimestepBias | None = None
 
 
 def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None, batch: Mapping[str, jax.Array],
@@ -103,7 +104,7 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     model = nnx.merge(graphdef, params)
     latents = objective.sample_latents(keys, batch["moments"], cfg.vae)
     noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
-    t = objective.timesteps(keys, sched.num_train_timesteps)
+    t = objective.timesteps(keys, sched.num_train_timesteps, cfg.timestep_bias)
     noisy = training.add_noise(sched, latents, noise_in, t)
     drop_text, drop_image = _dropout(cfg, keys)
     unet = model["unet"] if isinstance(model, nnx.Dict) else model

@@ -38,7 +38,7 @@ from sdx import lora, model_folder, schedulers
 from sdx.errors import SdxError
 from convert.library import identity
 from train import cache as cachelib
-from train import data, denoise, export, models, sources
+from train import data, denoise, export, models, objective, sources
 from train.config import TrainConfig
 
 
@@ -82,7 +82,12 @@ class DiffusionTask:
             text_drop=cfg.proportion_empty_prompts, conditioning_dropout=cfg.conditioning_dropout_prob or 0.0,
             text_dtype=str(jnp.dtype(text_dtype)) if cfg.train_text_encoder else None,
             prior_loss_weight=cfg.prior_loss_weight if cfg.with_prior_preservation else None,
+            timestep_bias=None if cfg.timestep_bias_strategy == "none" else objective.TimestepBias(
+                cfg.timestep_bias_strategy, cfg.timestep_bias_multiplier, cfg.timestep_bias_begin,
+                cfg.timestep_bias_end, cfg.timestep_bias_portion),
         )
+        if self.loss_config.timestep_bias is not None:  # a range beyond the schedule is an error now, not mid-compile
+            self.loss_config.timestep_bias.weights(sched.num_train_timesteps)
         self.prediction_type = prediction_type
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop or cfg.task == "controlnet",
                                         random_flip=cfg.random_flip, seed=cfg.seed,

@@ -17,7 +17,10 @@ train_instruct_pix2pix(_sdxl).py, diffusers.training_utils):
 * noise ε ~ N(0, 1) of the latents' shape; offset noise adds `offset · N(0, 1)` of shape (1, 1, C) per
   sample (NHWC; diffusers' (B, C, 1, 1)); input perturbation builds x_t from ε + ip · N(0, 1) while the
   target keeps ε.
-* timesteps uniform in [0, num_train_timesteps).
+* timesteps uniform in [0, num_train_timesteps), or, with a timestep bias (train_text_to_image_sdxl.py's
+  --timestep_bias_*), drawn with `TimestepBias.weights`: weight 1 everywhere but `multiplier` on the biased
+  timesteps (the last or first `portion` of them, or [begin, end)), normalised; diffusers draws with
+  torch.multinomial, sdx with a categorical draw from the sample's key.
 * targets: epsilon → ε, v_prediction → √ᾱ ε − √(1−ᾱ) x0, sample → x0. The SDXL script's "sample" branch
   also subtracts the noise from the model output (`model_pred = model_pred - noise`); sdx does not: a
   "sample" model outputs x0 itself (as its sampler reads it), so the loss is MSE(output, x0).
@@ -46,11 +49,13 @@ train_instruct_pix2pix(_sdxl).py, diffusers.training_utils):
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sdx.errors import SdxError
 from sdx.schedulers import Scheduler, training
@@ -90,9 +95,45 @@ def _is_zero(x) -> bool:
 # Draws
 
 
-def timesteps(keys: jax.Array, num_train_timesteps: int) -> jax.Array:
-    """int32[B]: each sample's training timestep, uniform in [0, num_train_timesteps)."""
-    return _per_sample(keys, Stream.TIMESTEP, lambda k: jax.random.randint(k, (), 0, num_train_timesteps, jnp.int32))
+@dataclasses.dataclass(frozen=True)
+class TimestepBias:
+    """train_text_to_image_sdxl.py's timestep bias: strategy "later" (the last `portion` of the timesteps),
+    "earlier" (the first `portion`) or "range" ([begin, end)) has its weight times `multiplier`."""
+
+    strategy: str
+    multiplier: float = 1.0
+    begin: int = 0
+    end: int = 1000
+    portion: float = 0.25
+
+    def weights(self, num_train_timesteps: int) -> np.ndarray:
+        """float64[num_train_timesteps], summing to 1 (diffusers' generate_timestep_weights)."""
+        w = np.ones(num_train_timesteps)
+        count = int(self.portion * num_train_timesteps)
+        if self.strategy == "later":
+            biased = slice(-count, None)  # count 0: all of them (diffusers' slice), uniform once normalised
+        elif self.strategy == "earlier":
+            biased = slice(0, count)
+        elif self.strategy == "range":
+            if not (0 <= self.begin and self.end <= num_train_timesteps):
+                raise SdxError(f"--timestep_bias_begin/--timestep_bias_end {self.begin}..{self.end}: the range must lie "
+                               f"in [0, {num_train_timesteps}]")
+            biased = slice(self.begin, self.end)
+        else:
+            raise SdxError(f"unknown timestep bias strategy {self.strategy!r} (earlier, later, range)")
+        w[biased] *= self.multiplier
+        return w / w.sum()
+
+
+def timesteps(keys: jax.Array, num_train_timesteps: int, bias: TimestepBias | None = None) -> jax.Array:
+    """int32[B]: each sample's training timestep, uniform in [0, num_train_timesteps), or drawn with `bias`'s
+    weights."""
+    if bias is None:
+        draw = lambda k: jax.random.randint(k, (), 0, num_train_timesteps, jnp.int32)
+    else:
+        logits = jnp.log(jnp.asarray(bias.weights(num_train_timesteps), jnp.float32))
+        draw = lambda k: jax.random.categorical(k, logits).astype(jnp.int32)
+    return _per_sample(keys, Stream.TIMESTEP, draw)
 
 
 def noise(keys: jax.Array, shape: Sequence[int], offset: float = 0.0,
