@@ -73,7 +73,7 @@ def _error(capsys, task, argv) -> str:
 
 
 @pytest.mark.parametrize("flag", ["--image_interpolation_mode=lanczos", "--use_8bit_adam", "--push_to_hub",
-                                  "--allow-tf32", "--non_ema_revision=main", "--dream_training"])
+                                  "--allow-tf32", "--non_ema_revision=main", "--hub_token=x"])
 def test_unimplemented_diffusers_flag_is_named(capsys, flag):
     msg = _error(capsys, "pix2pix", ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", flag])
     assert flag.lstrip("-").split("=")[0].replace("-", "_") in msg and "not supported" in msg
@@ -134,6 +134,9 @@ BAD_VALUES = [
     ("text_to_image", ["--timestep_bias_strategy", "range", "--timestep_bias_begin", "500", "--timestep_bias_end",
                        "200"], "give 0 <= begin < end"),
     ("text_to_image", ["--timestep_bias_strategy", "middle"], "invalid choice: 'middle'"),
+    ("text_to_image", ["--dream_training", "--dream_detail_preservation", "0"],
+     "--dream_detail_preservation must be positive"),
+    ("pix2pix", ["--dream_training"], "unrecognized arguments: --dream_training"),
     ("dreambooth", ["--instance_data_dir", "i"], "DreamBooth needs one of --instance_data_dir and --dataset_name"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--with_prior_preservation"],
      "--with_prior_preservation needs --class_data_dir"),

@@ -90,12 +90,13 @@ def _loss_config(case) -> denoise.DenoiseConfig:
     )
 
 
-def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, controlnet=None) -> torch.Tensor:
+def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, controlnet=None, dream=None) -> torch.Tensor:
     """diffusers' training loss of `ref` (train_text_to_image.py / train_instruct_pix2pix.py) for `batch`, with
     the draws sdx's loss takes from `keys` (latent sample, noise, timesteps, dropout). conditioning: the
     dropped samples (bool numpy [B]) -> (context, pooled or None) in torch (default: the batch's, NULL where
     dropped); reduce(pred, target, scheduler, timesteps) -> the loss (default: `_mse` of the case);
-    controlnet: a diffusers ControlNetModel steering `ref` from batch["control"]."""
+    controlnet: a diffusers ControlNetModel steering `ref` from batch["control"]; dream: DREAM's detail
+    preservation (diffusers.training_utils.compute_dream_and_update_latents, as train_text_to_image.py)."""
     reduce = reduce or (lambda *a: _mse(*a, case["snr_gamma"], case["prediction_type"]))
     cfg = _loss_config(case)
     latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
@@ -121,13 +122,17 @@ def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, cont
         keep = 1.0 - torch.from_numpy(np.array(drop_image)).float()
         noisy = torch.cat([noisy, _nchw(batch["image_latents"]) * keep[:, None, None, None]], dim=1)
     added = None if pooled is None else {"text_embeds": pooled, "time_ids": torch.from_numpy(batch["time_ids"])}
+    target = eps if case["prediction_type"] == "epsilon" else ts.get_velocity(x0, eps, tt)
+    if dream is not None:
+        from diffusers.training_utils import compute_dream_and_update_latents
+
+        noisy, target = compute_dream_and_update_latents(ref, ts, tt, eps, noisy, target, ctx, dream)
     residuals = {}
     if controlnet is not None:  # train_controlnet_sdxl.py: the ControlNet's residuals into the UNet
         down, mid = controlnet(noisy, tt, encoder_hidden_states=ctx, added_cond_kwargs=added, return_dict=False,
                                controlnet_cond=_nchw(batch["control"]))
         residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
     pred = ref(noisy, tt, ctx, added_cond_kwargs=added, **residuals).sample
-    target = eps if case["prediction_type"] == "epsilon" else ts.get_velocity(x0, eps, tt)
     return reduce(pred, target, ts, tt)
 
 
@@ -391,6 +396,38 @@ def test_controlnet_loss_and_gradients_match_diffusers():
         err = _relative_error(flat[name].transpose(order), torch_grads[name.replace("kernel", "weight")])
         print(name, "relative gradient error", err)
         assert err < 1e-4
+
+
+@pytest.mark.parametrize("detail", [1.0, 0.5])
+def test_dream_loss_and_gradients_match_diffusers(detail):
+    """--dream_training (train_text_to_image.py): diffusers' compute_dream_and_update_latents (a no-grad UNet
+    call corrects x_t and the target) on an SD UNet, epsilon prediction with offset noise, input
+    perturbation and dropped captions, against sdx's: the same loss and gradients in float32."""
+    case = {**CASES[0], "noise_offset": 0.1, "input_perturbation": 0.1, "p": 0.5}
+    ref, model = _models(4, config=SD_UNET)
+    batch = {k: v for k, v in _batch(6, False).items() if k not in ("pooled", "time_ids")}
+    fam = Family(xl=False, pix2pix=False, aesthetic=False, encoders=("text_encoder",), force_zeros=False)
+    cfg = dataclasses.replace(_loss_config(case), family=fam, dream_detail_preservation=detail)
+    null = {"context": NULL["context"]}
+    graphdef, params = nnx.split(model)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    (loss, _), grads = jax.jit(jax.value_and_grad(denoise.loss_fn(graphdef, cfg), has_aux=True))(
+        params, jax.tree.map(jnp.asarray, batch), keys, jax.tree.map(jnp.asarray, null))
+
+    def conditioning(dropped):
+        return torch.where(torch.from_numpy(dropped)[:, None, None], torch.from_numpy(NULL["context"]),
+                           torch.from_numpy(batch["context"])), None
+
+    ref_loss = _reference_loss(ref, case, batch, keys, conditioning, dream=detail)
+    ref_loss.backward()
+    plain = _reference_loss(ref, case, batch, keys, conditioning).item()
+    print("loss", float(loss), ref_loss.item(), "without DREAM", plain)
+    assert abs(plain - ref_loss.item()) > 1e-3 * abs(plain)  # DREAM changes the loss
+    np.testing.assert_allclose(float(loss), ref_loss.item(), rtol=2e-5)
+    flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(grads)}
+    err = _relative_error(np.asarray(flat["conv_in.kernel"]).transpose(3, 2, 0, 1), ref.conv_in.weight.grad)
+    print("relative gradient error", err)
+    assert err < 1e-4
 
 
 def _shared_adapters(model: nnx.Module, layer_of, seed: int = 7) -> dict:

@@ -50,8 +50,6 @@ UNSUPPORTED = {
     "hub_token": "upload --output_dir yourself with huggingface_hub",
     "hub_model_id": "upload --output_dir yourself with huggingface_hub",
     "non_ema_revision": "the non-EMA weights come from --pretrained_model_name_or_path and --revision",
-    "dream_training": "DREAM is not implemented",
-    "dream_detail_preservation": "DREAM is not implemented",
     "dataset_config_name": "point --dataset_name at the configuration's parquet folder instead",
     "tracker_project_name": "only TensorBoard (--report_to tensorboard) is written",
     "local_rank": "multi-host runs use jax.distributed (JAX's coordinator variables), not a rank flag",
@@ -155,6 +153,8 @@ class TrainConfig:
     timestep_bias_begin: int = 0
     timestep_bias_end: int = 1000
     timestep_bias_portion: float = 0.25
+    dream_training: bool = False
+    dream_detail_preservation: float = 1.0
     # EMA
     use_ema: bool = False
     ema_decay: float = 0.9999
@@ -321,6 +321,10 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
             opt("conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
         else:
             opt("proportion_empty_prompts", "replace this proportion of captions by the empty prompt", type=float)
+        if task == "text_to_image":
+            _bool(p, "dream_training", "DREAM: correct the noisy latents and target by the model's own prediction "
+                  "(one more forward pass without gradient; epsilon-prediction models)")
+            opt("dream_detail_preservation", "DREAM's p: the correction is scaled by sqrt(1 - alpha_bar)^p", type=float)
     else:
         opt("kl_weight", "weight of the KL term", type=float)
         opt("reconstruction_loss", "l1 or l2", choices=("l1", "l2"))
@@ -451,6 +455,8 @@ def check(c: TrainConfig) -> None:
         if c.timestep_bias_strategy == "range" and not 0 <= c.timestep_bias_begin < c.timestep_bias_end:
             raise SdxError(f"--timestep_bias_begin {c.timestep_bias_begin} and --timestep_bias_end "
                            f"{c.timestep_bias_end}: give 0 <= begin < end")
+    if c.dream_training and c.dream_detail_preservation <= 0:
+        raise SdxError(f"--dream_detail_preservation must be positive, got {c.dream_detail_preservation}")
     if c.snr_gamma is not None and c.snr_gamma <= 0:
         raise SdxError(f"--snr_gamma must be positive, got {c.snr_gamma}")
     if c.conditioning_dropout_prob is not None and not 0 <= c.conditioning_dropout_prob <= 1 / 3:

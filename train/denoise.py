@@ -39,7 +39,8 @@ class DenoiseConfig:
     the text encoders' compute dtype when they train (run in the loss), None when the batch holds their
     output; prior_loss_weight: DreamBooth's prior preservation (the batch's "prior" flags its class images,
     half of it), or None; controlnet: a ControlNet trains, its residuals (of the batch's "control" image)
-    added to the frozen UNet's skips and mid block; timestep_bias: the timesteps' weights (None: uniform)."""
+    added to the frozen UNet's skips and mid block; timestep_bias: the timesteps' weights (None: uniform);
+    dream_detail_preservation: DREAM's p (`objective.dream`), or None without DREAM."""
 
     family: Family
     scheduler: Scheduler
@@ -54,6 +55,7 @@ class DenoiseConfig:
     prior_loss_weight: float | None = None
     controlnet: bool = False
     timestep_bias: objective.TimestepBias | None = None
+    dream_detail_preservation: float | None = None
 
 
 def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None, batch: Mapping[str, jax.Array],
@@ -113,15 +115,22 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     else:
         cond = _encoded(cfg, model, batch, drop_text, null)
     added = {"text_embeds": cond["pooled"], "time_ids": batch["time_ids"]} if cfg.family.xl else None
-    model_in = noisy
-    if cfg.family.pix2pix:
-        model_in = jnp.concatenate([noisy, cond["image_latents"].astype(noisy.dtype)], axis=-1)  # (B, h, w, 2C)
-    residuals = {}
-    if cfg.controlnet:
-        down, mid = model["controlnet"](model_in, t, cond["context"], batch["control"], 1.0, added)
-        residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
-    pred = unet(model_in, t, cond["context"], added, **residuals).astype(jnp.float32)
+
+    def predict(x):  # the model's output for noisy latents x
+        model_in = x
+        if cfg.family.pix2pix:
+            model_in = jnp.concatenate([x, cond["image_latents"].astype(x.dtype)], axis=-1)  # (B, h, w, 2C)
+        residuals = {}
+        if cfg.controlnet:
+            down, mid = model["controlnet"](model_in, t, cond["context"], batch["control"], 1.0, added)
+            residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+        return unet(model_in, t, cond["context"], added, **residuals).astype(jnp.float32)
+
     target = objective.target(sched, cfg.prediction_type, latents, noise, t)
+    if cfg.dream_detail_preservation is not None:
+        first = jax.lax.stop_gradient(predict(noisy))
+        noisy, target = objective.dream(sched, t, noise, noisy, target, first, cfg.dream_detail_preservation)
+    pred = predict(noisy)
     weights = None
     if cfg.snr_gamma is not None:
         weights = objective.min_snr_weights(sched, t, cfg.snr_gamma, cfg.prediction_type)

@@ -85,7 +85,11 @@ class DiffusionTask:
             timestep_bias=None if cfg.timestep_bias_strategy == "none" else objective.TimestepBias(
                 cfg.timestep_bias_strategy, cfg.timestep_bias_multiplier, cfg.timestep_bias_begin,
                 cfg.timestep_bias_end, cfg.timestep_bias_portion),
+            dream_detail_preservation=cfg.dream_detail_preservation if cfg.dream_training else None,
         )
+        if cfg.dream_training and prediction_type != "epsilon":
+            raise SdxError(f"--dream_training needs an epsilon-prediction model; this one predicts {prediction_type} "
+                           "(diffusers' DREAM is not defined for it either)")
         if self.loss_config.timestep_bias is not None:  # a range beyond the schedule is an error now, not mid-compile
             self.loss_config.timestep_bias.weights(sched.num_train_timesteps)
         self.prediction_type = prediction_type

@@ -43,6 +43,11 @@ train_instruct_pix2pix(_sdxl).py, diffusers.training_utils):
   sdx does; train_dreambooth.py weighs v-prediction by min(snr, γ)/snr + 1, sdx by its one rule above).
   sdx writes it as the batch mean of per-sample weights: 2 (or 2 · min-SNR) per instance, 2 ·
   prior_loss_weight per class image, so micro-batches and devices may hold any mix of the two.
+* DREAM (Zhou et al. 2023, "DREAM: Diffusion Rectification and Estimation-Adaptive Models"; diffusers'
+  --dream_training, training_utils.compute_dream_and_update_latents): one more model call without gradient
+  predicts ε̂ at x_t; δ = (ε − ε̂)·√(1−ᾱ)^p moves x_t by √(1−ᾱ)·δ and the target by δ (epsilon prediction
+  only, as in diffusers). sdx's extra call also passes SDXL's added conditioning, which diffusers' SD-only
+  script never needs.
 * VAE posterior sample (--cache_latents stores the moments): mean + exp(logvar / 2) · N(0, 1), logvar
   clipped to [-30, 20], then `VAEConfig.to_latents` ((z − shift) · scale).
 """
@@ -241,6 +246,16 @@ def prior_preservation_weights(prior: jax.Array, weights: jax.Array | None, prio
     mean(instance weights × MSE) + prior_loss_weight × mean(class MSE)."""
     instance = 2.0 if weights is None else 2.0 * weights.astype(jnp.float32)
     return jnp.where(prior, jnp.float32(2.0 * prior_loss_weight), instance)
+
+
+def dream(sched: Scheduler, t: jax.Array, noise: jax.Array, noisy: jax.Array, target: jax.Array,
+          predicted: jax.Array, detail_preservation: float) -> tuple[jax.Array, jax.Array]:
+    """DREAM's (noisy, target) for an epsilon model (see the module docstring). predicted: the model's
+    output for `noisy`, without gradient; noise: the unperturbed noise (the target's)."""
+    a = jnp.asarray(sched.alphas_cumprod)[t].reshape(-1, *(1,) * (noisy.ndim - 1))  # (B, 1, 1, 1)
+    sigma = (1.0 - a) ** 0.5
+    delta = jax.lax.stop_gradient(noise - predicted) * sigma ** detail_preservation
+    return noisy + sigma * delta, target + delta
 
 
 def per_sample_mse(pred: jax.Array, target: jax.Array) -> jax.Array:
