@@ -72,7 +72,7 @@ def _error(capsys, task, argv) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("flag", ["--image_interpolation_mode=lanczos", "--use_8bit_adam", "--push_to_hub",
+@pytest.mark.parametrize("flag", ["--vae_precision=fp16", "--use_8bit_adam", "--push_to_hub",
                                   "--allow-tf32", "--non_ema_revision=main", "--hub_token=x"])
 def test_unimplemented_diffusers_flag_is_named(capsys, flag):
     msg = _error(capsys, "pix2pix", ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", flag])

@@ -31,13 +31,14 @@ def loader_for(source, transform, batch_size=2, **kw):
     return make_loader(source, transform, batch_size=batch_size, seed=kw.pop("seed", transform.seed), **kw)
 
 
-def expected_pixels(picture: np.ndarray, res: int, top: int, left: int, flip: bool) -> np.ndarray:
-    """What the loader should give, computed with PIL alone: shorter side to res (bilinear), flip, crop."""
+def expected_pixels(picture: np.ndarray, res: int, top: int, left: int, flip: bool,
+                    resample=Image.BILINEAR) -> np.ndarray:
+    """What the loader should give, computed with PIL alone: shorter side to res (`resample`), flip, crop."""
     im = Image.fromarray(picture)
     h, w = picture.shape[:2]
     size = (res, int(res * w / h)) if h <= w else (int(res * h / w), res)  # (h, w)
     if (im.height, im.width) != size:
-        im = im.resize((size[1], size[0]), Image.BILINEAR)
+        im = im.resize((size[1], size[0]), resample)
     if flip:
         im = im.transpose(Image.FLIP_LEFT_RIGHT)
     im = im.crop((left, top, left + res, top + res))
@@ -78,12 +79,16 @@ def pairs_parquet(tmp_path):
 # ---------------------------------------------------------------------------------------------- pixels
 
 
-@pytest.mark.parametrize("center_crop", [False, True])
-def test_pixels_match_pil_resize_flip_crop(captions_parquet, center_crop):
+@pytest.mark.parametrize("center_crop, interpolation, resample", [
+    (False, "bilinear", Image.BILINEAR), (True, "bilinear", Image.BILINEAR), (False, "lanczos", Image.LANCZOS),
+    (True, "bicubic", Image.BICUBIC), (True, "nearest_exact", Image.NEAREST)])
+def test_pixels_match_pil_resize_flip_crop(captions_parquet, center_crop, interpolation, resample):
+    """The pictures as PIL alone makes them, with the filter torchvision's Resize takes for the
+    --image_interpolation_mode given to a PIL image (bilinear by default)."""
     path, pictures, texts = captions_parquet
     res = 16
     source = open_source(path, Columns.text_to_image())
-    t = Transform(resolution=res, center_crop=center_crop, random_flip=True, seed=3)
+    t = Transform(resolution=res, center_crop=center_crop, random_flip=True, seed=3, interpolation=interpolation)
     batches = take(loader_for(source, t, batch_size=3, shuffle=False), 2)
     flips = []
     for batch in batches:
@@ -104,10 +109,12 @@ def test_pixels_match_pil_resize_flip_crop(captions_parquet, center_crop):
                 assert (top, left) == (int(u[1] * (rh - res + 1)), int(u[2] * (rw - res + 1)))
             flip = bool(u[0] < 0.5)
             flips.append(flip)
-            want = expected_pixels(pictures[row], res, top, left, flip)
+            want = expected_pixels(pictures[row], res, top, left, flip, resample)
             np.testing.assert_allclose(batch["pixels"][j], want, atol=1e-6)
-            assert not np.allclose(batch["pixels"][j], expected_pixels(pictures[row], res, top, left, not flip)) \
-                or np.allclose(want, want[:, ::-1])
+            assert not np.allclose(batch["pixels"][j], expected_pixels(pictures[row], res, top, left, not flip,
+                                                                       resample)) or np.allclose(want, want[:, ::-1])
+            if interpolation != "bilinear" and (h, w) != (res, res):  # the filter shows
+                assert not np.allclose(batch["pixels"][j], expected_pixels(pictures[row], res, top, left, flip))
     assert any(flips) and not all(flips)
 
 

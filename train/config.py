@@ -35,6 +35,7 @@ from typing import Any
 
 from sdx.attention import BACKENDS
 from sdx.errors import ArgumentParser, SdxError
+from train.data import INTERPOLATIONS
 from train.lr import SCHEDULES
 from train.objective import PREDICTION_TYPES
 
@@ -53,7 +54,6 @@ UNSUPPORTED = {
     "dataset_config_name": "point --dataset_name at the configuration's parquet folder instead",
     "tracker_project_name": "only TensorBoard (--report_to tensorboard) is written",
     "local_rank": "multi-host runs use jax.distributed (JAX's coordinator variables), not a rank flag",
-    "image_interpolation_mode": "images are resized bilinearly with antialiasing",
     "vae_precision": "the VAE runs in float32",
     "crops_coords_top_left_h": "SDXL crop conditioning is the crop actually applied to each image",
     "crops_coords_top_left_w": "SDXL crop conditioning is the crop actually applied to each image",
@@ -97,6 +97,7 @@ class TrainConfig:
     conditioning_image_column: str = "conditioning_image"
     max_train_samples: int | None = None
     resolution: int = 512
+    image_interpolation_mode: str = "bilinear"
     center_crop: bool = False
     random_flip: bool = False
     dataloader_num_workers: int = 0
@@ -263,6 +264,8 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
     if task != "dreambooth":
         opt("max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
     opt("resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
+    opt("image_interpolation_mode", "the resize filter (torchvision's names; the SDXL scripts default to lanczos)",
+        choices=tuple(INTERPOLATIONS))
     if task != "controlnet":  # diffusers' ControlNet scripts crop the center, unflipped: so does sdx
         _bool(p, "center_crop", "crop the center (default: a random crop)")
         _bool(p, "random_flip", "flip horizontally with probability 1/2")

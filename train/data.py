@@ -23,8 +23,10 @@ Batch (B = the per-host batch size; one key per image column, named by `Columns.
 
 Per sample, as diffusers' train_text_to_image_sdxl.py / train_instruct_pix2pix.py: decode and convert
 to RGB (`sdx.images.decode`: EXIF orientation applied; alpha dropped, as PIL's convert("RGB"); 16-bit
-samples keep their high byte, as PIL does for 16-bit RGB); resize the shorter side to `resolution` with PIL's bilinear
-filter (antialiased; what torchvision's Resize does to a PIL image, longer side int(res * long / short));
+samples keep their high byte, as PIL does for 16-bit RGB); resize the shorter side to `resolution` with PIL's
+filter of `interpolation` (default bilinear, as train_text_to_image.py; the SDXL scripts'
+--image_interpolation_mode defaults to lanczos), antialiased: what torchvision's Resize does to a PIL image,
+longer side int(res * long / short);
 flip horizontally with probability 1/2 (`random_flip`); crop `resolution` square at the center
 (torchvision's CenterCrop rounding) or at a uniformly random place. The flip comes before the crop, so
 `crop_top_left` is in the flipped image (diffusers PR #6547), what SDXL's time ids take. InstructPix2Pix:
@@ -76,6 +78,11 @@ __all__ = ["Columns", "Example", "Source", "open_source", "Transform", "Geometry
            "load_image"]
 
 STATE_FORMAT = "sdx.train.data/1"
+# torchvision's InterpolationMode names -> the PIL filter its Resize applies to a PIL image
+INTERPOLATIONS = {"nearest": Image.Resampling.NEAREST, "nearest_exact": Image.Resampling.NEAREST,
+                  "bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC,
+                  "box": Image.Resampling.BOX, "hamming": Image.Resampling.HAMMING,
+                  "lanczos": Image.Resampling.LANCZOS}
 MAX_CONSECUTIVE_UNREADABLE = 10_000
 LOG_FIRST_SKIPS = 10
 LOG_SKIPS_EVERY = 100
@@ -103,10 +110,13 @@ class Transform:
     random_flip: bool = False
     seed: int = 0
     tokenize: Callable[[str], Mapping[str, np.ndarray]] | None = None
+    interpolation: str = "bilinear"
 
     def __post_init__(self):
         if self.resolution < 1:
             raise SdxError(f"resolution must be at least 1, got {self.resolution}")
+        if self.interpolation not in INTERPOLATIONS:
+            raise SdxError(f"unknown interpolation {self.interpolation!r} (choose from {', '.join(INTERPOLATIONS)})")
 
     def draws(self, index: int) -> np.ndarray:
         """The sample's four uniforms in [0, 1): flip, crop top, crop left, caption choice."""
@@ -140,7 +150,7 @@ class Transform:
         out = []
         for pic in pictures:
             if pic.size != (rw, rh):
-                pic = pic.resize((rw, rh), Image.Resampling.BILINEAR)
+                pic = pic.resize((rw, rh), INTERPOLATIONS[self.interpolation])
             a = np.asarray(pic)
             if geo.flip:
                 a = a[:, ::-1]

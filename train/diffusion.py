@@ -93,9 +93,11 @@ class DiffusionTask:
         if self.loss_config.timestep_bias is not None:  # a range beyond the schedule is an error now, not mid-compile
             self.loss_config.timestep_bias.weights(sched.num_train_timesteps)
         self.prediction_type = prediction_type
-        self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop or cfg.task == "controlnet",
+        center_crop = cfg.center_crop or cfg.task == "controlnet"  # diffusers' ControlNet scripts always crop the center
+        self.transform = data.Transform(resolution=cfg.resolution, center_crop=center_crop,
                                         random_flip=cfg.random_flip, seed=cfg.seed,
-                                        tokenize=tokenizer_fn(fam, m.tokenizers))
+                                        tokenize=tokenizer_fn(fam, m.tokenizers),
+                                        interpolation=cfg.image_interpolation_mode)
         self.constants = null_conditioning(fam, m.encoders, m.tokenizers, text_dtype)  # the loss's `null`
         if cfg.train_text_encoder and not fam.force_zeros:  # "" through the trained encoders, in the loss
             ids = textlib.tokenize(fam, m.tokenizers, [[""]] * len(fam.encoders), chunks=None)
@@ -128,7 +130,7 @@ class DiffusionTask:
                "description": source.description, "samples": len(source), "columns": list(source.columns.images),
                "text_column": source.columns.text, "max_train_samples": cfg.max_train_samples, "seed": cfg.seed,
                "model": identity(self.folder), "resolution": cfg.resolution, "center_crop": cfg.center_crop,
-               "random_flip": cfg.random_flip, "text_dtype": str(jnp.dtype(models.computes(cfg)["text"].dtype)),
+               "random_flip": cfg.random_flip, "interpolation": cfg.image_interpolation_mode, "text_dtype": str(jnp.dtype(models.computes(cfg)["text"].dtype)),
                "family": repr(self.models.family), "text_ids": cfg.train_text_encoder}
         encode = lambda host: self._encode(self._frozen, meshlib.put_batch(self.mesh, self.host_arrays(host)))
         self.cache = cachelib.LatentCache.open_or_build(

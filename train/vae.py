@@ -114,7 +114,8 @@ class VAETask:
                                                       sharding=rule, spec=self.spec, abstract=executables.abstract_model,
                                                       read=not restoring)
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=cfg.center_crop,
-                                        random_flip=cfg.random_flip, seed=cfg.seed)
+                                        random_flip=cfg.random_flip, seed=cfg.seed,
+                                        interpolation=cfg.image_interpolation_mode)
         self.constants = {}  # what the loss reads besides the batch: nothing
         self.fixed = None  # the validation images: the first batch's, reconstructed at each validation
 
