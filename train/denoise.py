@@ -64,8 +64,9 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None,
 
     batch: "pixels" (B, H, W, 3) in [-1, 1] (pix2pix: "edited_pixels" and "original_pixels"), "ids"
     {encoder: (B, 1, 77)}, "time_ids" (B, 6) for SDXL, "index" (B,), "prior" (B,) bool under DreamBooth's
-    prior preservation (passed through). Returns "moments" (B, h, w, 2C),
-    "context" (B, 77, D), "pooled" (B, P) (SDXL), "time_ids", "image_latents" (B, h, w, C) (pix2pix), "index".
+    prior preservation (passed through), "conditioning_pixels" (B, H, W, 3) in [-1, 1] for a ControlNet.
+    Returns "moments" (B, h, w, 2C), "context" (B, 77, D), "pooled" (B, P) (SDXL), "time_ids",
+    "image_latents" (B, h, w, C) (pix2pix), "control" (B, H, W, 3) in [0, 1], "prior", "index".
     encoders None (they train, `DenoiseConfig.text_dtype`): "ids" (B, E, 77), each encoder's in
     `family.encoders` order, instead of "context" and "pooled".
     """
