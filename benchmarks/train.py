@@ -14,7 +14,10 @@ bfloat16 (float32 master weights both), `--remat` sdx's rematerialised blocks an
 `enable_gradient_checkpointing()`. `--lora RANK` trains adapters of that rank instead (alpha = rank) and
 leaves the UNet frozen, in the compute dtype: sdx's `python -m train.text_to_image_lora` step (`sdx.lora`,
 `train.step.trained_in_part`) against train_text_to_image_lora.py's (peft's LoraConfig on to_q, to_k, to_v,
-to_out.0; the UNet cast to the compute dtype, AdamW and clipping over the adapters).
+to_out.0; the UNet cast to the compute dtype, AdamW and clipping over the adapters). `--controlnet` trains
+a ControlNet made from the UNet (diffusers' from_unet; sdx's `train.controlnet.from_unet`) beside it,
+frozen in the compute dtype: `python -m train.controlnet`'s step against train_controlnet.py's (the
+ControlNet's residuals into the UNet, AdamW and clipping over the ControlNet).
 
 Each framework runs in a subprocess of its own (so its peak memory is its own): `--warmup` steps (for
 sdx the first one includes the compile), then `--repeats` timed steps, each waited for (sdx:
@@ -29,6 +32,7 @@ takes ~60x longer (measured), which says nothing about either framework.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -69,7 +73,7 @@ def batch_arrays(args, cfg: dict):
     import numpy as np
 
     r = np.random.default_rng(0)
-    out = {}
+    out = {"control": r.uniform(0, 1, (args.batch, args.size, args.size, 3))} if args.controlnet else {}
     for name, shape in shapes(args, cfg).items():
         if name == "moments":  # mean ~ N(0, 1), log-variance around -6 (a VAE's typical posterior)
             c = shape[-1] // 2
@@ -120,7 +124,7 @@ def run_sdx(args) -> dict:
     raw = unet_config(args)
     cfg = UNetConfig.from_diffusers_config(raw)
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
-    param_dtype = dtype if args.lora else jnp.float32  # a LoRA run's frozen UNet: the compute dtype
+    param_dtype = dtype if args.lora or args.controlnet else jnp.float32  # a frozen UNet: the compute dtype
     compute = Compute(dtype=dtype, param_dtype=param_dtype, attention=args.attention or attention.default_backend(dtype),
                       remat=args.remat)
     model = weights.abstract(lambda r: UNet2DConditionModel(cfg, compute, rngs=r))
@@ -129,17 +133,30 @@ def run_sdx(args) -> dict:
     arrays = {k: (0.02 * r.standard_normal(s)).astype(np.float32) for k, s in weights.param_shapes(model).items()}
     mesh = meshlib.make_mesh(1, devices=jax.devices()[:1])
     model = weights.materialize(model, arrays, dtype=param_dtype, sharding=meshlib.param_sharding(mesh))
+    if args.controlnet:  # train.controlnet's module: the frozen UNet and a ControlNet made from it
+        from convert.controlnet_folder import KIND
+        from train.controlnet import from_unet
+
+        part = from_unet(raw, arrays, jax.random.key(1))
+        net = weights.materialize(KIND.abstract(part.config, dataclasses.replace(compute, param_dtype=jnp.float32)),
+                                  part.arrays, dtype=jnp.float32, sharding=meshlib.param_sharding(mesh))
+        model = nnx.Dict({"unet": model, "controlnet": net})
+        n = sum(int(np.prod(v.shape)) for v in part.arrays.values())
     del arrays
     xl = "pooled" in shapes(args, raw)
     fam = Family(xl=xl, pix2pix=False, aesthetic=False,
                  encoders=("text_encoder", "text_encoder_2") if xl else ("text_encoder",), force_zeros=xl)
     loss_cfg = denoise.DenoiseConfig(family=fam, scheduler=schedulers.from_name("ddpm", SCHEDULER),
-                                     vae=VAEConfig(scaling_factor=0.18215), prediction_type="epsilon")
+                                     vae=VAEConfig(scaling_factor=0.18215), prediction_type="epsilon",
+                                     controlnet=bool(args.controlnet))
     host = batch_arrays(args, raw)
     null = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in host.items() if k in ("context", "pooled")}
     if args.lora:
         lora.attach(model, args.lora, float(args.lora), jax.random.key(0), sharding=meshlib.replicated(mesh))
-    graphdef, params, base = nnx.split(model, lora.LoRAParam if args.lora else nnx.Param, ...)
+    trained = lora.LoRAParam if args.lora else nnx.Param
+    if args.controlnet:
+        trained = nnx.All(nnx.Param, nnx.PathContains("controlnet"))
+    graphdef, params, base = nnx.split(model, trained, ...)
     loss_fn, constants = steplib.trained_in_part(denoise.loss_fn(graphdef, loss_cfg), null, base)
     tx = optimizer.AdamW(1e-4, max_grad_norm=1.0)
     state = steplib.init_state(params, tx, use_ema=False)
@@ -180,8 +197,16 @@ def run_diffusers(args) -> dict:
     torch.manual_seed(0)
     unet = diffusers.UNet2DConditionModel(**raw).to(device).train()
     params = sum(p.numel() for p in unet.parameters())
+    controlnet = None
+    if args.controlnet:  # train_controlnet.py: the UNet frozen in the compute dtype, the ControlNet float32
+        controlnet = diffusers.ControlNetModel.from_unet(unet).to(device).train()
+        unet.requires_grad_(False)
+        unet.to(torch.bfloat16 if args.dtype == "bfloat16" else torch.float32)
+        params = sum(p.numel() for p in controlnet.parameters())
     if args.remat:
         unet.enable_gradient_checkpointing()
+        if controlnet is not None:
+            controlnet.enable_gradient_checkpointing()
     if args.lora:  # train_text_to_image_lora.py: the UNet frozen in the compute dtype, float32 adapters
         from peft import LoraConfig
 
@@ -192,11 +217,12 @@ def run_diffusers(args) -> dict:
         for p in unet.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
-    trained = [p for p in unet.parameters() if p.requires_grad]
+    trained = [p for p in (controlnet or unet).parameters() if p.requires_grad]
     scheduler = diffusers.DDPMScheduler(**SCHEDULER)
     optim = torch.optim.AdamW(trained, lr=1e-4, betas=(0.9, 0.999), weight_decay=1e-2, eps=1e-8)
     host = {k: torch.from_numpy(v).to(device) for k, v in batch_arrays(args, raw).items()}
     moments = host["moments"].permute(0, 3, 1, 2).contiguous()  # NHWC -> NCHW
+    control = host["control"].permute(0, 3, 1, 2).contiguous() if controlnet is not None else None
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16")
     holder = {}
 
@@ -206,8 +232,13 @@ def run_diffusers(args) -> dict:
         timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=device).long()
         noisy = scheduler.add_noise(latents, noise, timesteps)
         added = {"text_embeds": host["pooled"], "time_ids": host["time_ids"]} if "pooled" in host else None
+        residuals = {}
         with autocast:
-            pred = unet(noisy, timesteps, host["context"], added_cond_kwargs=added).sample
+            if controlnet is not None:
+                down, mid = controlnet(noisy, timesteps, encoder_hidden_states=host["context"], controlnet_cond=control,
+                                       added_cond_kwargs=added, return_dict=False)
+                residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+            pred = unet(noisy, timesteps, host["context"], added_cond_kwargs=added, **residuals).sample
         loss = F.mse_loss(pred.float(), noise.float(), reduction="mean")
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trained, 1.0)
@@ -232,6 +263,7 @@ def parse(argv=None):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--remat", action="store_true", help="gradient checkpointing in both")
     p.add_argument("--lora", type=int, metavar="RANK", help="train LoRA adapters of this rank (alpha = rank) instead")
+    p.add_argument("--controlnet", action="store_true", help="train a ControlNet made from the UNet beside it instead")
     p.add_argument("--attention", help="sdx attention backend (xla, cudnn, chunked; default: training's, "
                    "sdx.attention.default_backend of the dtype)")
     p.add_argument("--threads", type=int, choices=(1,), help="CPU: one compute thread per framework (torch's "
@@ -257,8 +289,10 @@ def main(argv=None) -> int:
     if results is None:
         return 1
     print(f"# {machine()}; UNet of {args.preset} with block_out_channels {args.channels or 'as the preset'} "
-          f"({results[0]['params'] / 1e6:.1f}M parameters), {args.size}x{args.size}, batch {args.batch}, {args.dtype}"
+          f"({results[0]['params'] / 1e6:.1f}M parameters{', the ControlNet' if args.controlnet else ''}), "
+          f"{args.size}x{args.size}, batch {args.batch}, {args.dtype}"
           f"{', remat' if args.remat else ''}{f', LoRA rank {args.lora}' if args.lora else ''}"
+          f"{', ControlNet' if args.controlnet else ''}"
           f"{', 1 thread' if args.threads else ''}; best of {args.repeats} steps "
           f"after {args.warmup}")
     print("| framework | device | compile + first step − steady (s) | s/step | images/s | peak memory (GiB) |")
