@@ -13,7 +13,8 @@ keep their paths (diffusers' key paths) and a model without adapters is the mode
 - `fused`: the model without adapters, each kernel plus scale · down · up (diffusers' `fuse_lora`),
   what the sampler's `--lora` makes of the file `state_dict` gives.
 - `state_dict`: the adapters as diffusers writes them (`unet.<module>.lora_A.weight`, `.lora_B.weight`;
-  `text_encoder.text_model.<module>...` for a text encoder; float32), with the scale folded into lora_B so that any reader's default alpha (= rank) is right.
+  `text_encoder.text_model.<module>...` for a text encoder; float32), with the scale folded into lora_B
+  so that any reader's default alpha (= rank) is right.
 """
 
 from __future__ import annotations

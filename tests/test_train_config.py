@@ -122,7 +122,8 @@ BAD_VALUES = [
     ("text_to_image", ["--lora_alpha", "8"], "--rank must be at least 1, got None"),
     ("text_to_image", ["--rank", "4", "--lora_alpha", "0"], "--lora_alpha must be positive"),
     ("text_to_image", ["--rank", "4", "--export_format", "diffusers"], "pytorch_lora_weights.safetensors"),
-    ("text_to_image", ["--train_text_encoder"], "--train_text_encoder trains LoRA adapters on the text encoders: give --rank"),
+    ("text_to_image", ["--train_text_encoder"],
+     "--train_text_encoder trains LoRA adapters on the text encoders: give --rank"),
     ("pix2pix", ["--train_text_encoder"], "unrecognized arguments: --train_text_encoder"),
     ("text_to_image", ["--rank", "4", "--text_encoder_lr", "1e-5"], "with --train_text_encoder"),
     ("text_to_image", ["--rank", "4", "--train_text_encoder", "--text_encoder_lr", "0"], "give a positive one"),
@@ -151,7 +152,8 @@ BAD_VALUES = [
      "--caption_column reads a --dataset_name's prompts"),
     ("dreambooth", ["--instance_data_dir", "i", "--instance_prompt", "sks", "--dataset_name", "d"],
      "DreamBooth needs one of --instance_data_dir and --dataset_name"),
-    ("dreambooth", ["--dataset_name", "d", "--instance_prompt", "sks", "--repeats", "0"], "--repeats must be at least 1"),
+    ("dreambooth", ["--dataset_name", "d", "--instance_prompt", "sks", "--repeats", "0"],
+     "--repeats must be at least 1"),
 ]
 
 

@@ -75,9 +75,10 @@ def test_lora_trains_resumes_exactly_and_its_file_loads_in_sdx_and_diffusers(tmp
 
 def test_text_encoder_lora_trains_resumes_from_cached_ids_and_loads_in_sdx_and_diffusers(tmp_path, demo_models):
     """--train_text_encoder on tiny_xl (the encoders at --text_encoder_lr): the file holds adapters of both
-    text encoders beside the UNet's, all trained; a run resumed at step 2 with --cache_latents (token ids cached, the encoders run in the step)
-    goes on as the uncached run did; the file through sdx's --lora and through diffusers' load_lora_weights
-    + fuse_lora gives the same UNet and text encoders, and --lora's image is the last validation's."""
+    text encoders beside the UNet's, all trained; a run resumed at step 2 with --cache_latents (token ids
+    cached, the encoders run in the step) goes on as the uncached run did; the file through sdx's --lora
+    and through diffusers' load_lora_weights + fuse_lora gives the same UNet and text encoders, and
+    --lora's image is the last validation's."""
     model = demo_models("tiny_xl")
     data = shapes.write_dataset(tmp_path / "captions", "captions", count=8, seed=0, size=32)
     a, b = tmp_path / "a", tmp_path / "b"

@@ -216,7 +216,8 @@ def _bool(p, name: str, help: str) -> None:
 
 def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
     """lora: `python -m train.X_lora` (X with `--rank` 4 by default)."""
-    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task] | (_LORA_DEFAULTS[task] if lora else {})
+    d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task]
+    d |= _LORA_DEFAULTS[task] if lora else {}
     name = f"{task}_lora" if lora else task
     p = ArgumentParser(prog=f"python -m train.{name}", allow_abbrev=False,
                 description=f"Fine-tune with sdx ({name}); flags as diffusers' training scripts.")
@@ -235,7 +236,8 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("instance_data_dir", "a folder of the subject's images (every image file in it, no metadata)")
         opt("dataset_name", "or the subject's images as a dataset (what text-to-image's --dataset_name takes)")
         opt("image_column", "--dataset_name: the image column")
-        opt("caption_column", "--dataset_name: a column of each image's own prompt (default: --instance_prompt for all)")
+        opt("caption_column", "--dataset_name: a column of each image's own prompt (default: --instance_prompt for "
+            "all)")
         opt("repeats", "read each instance image this many times per epoch", type=int)
         opt("instance_prompt", "the prompt of every instance image, naming the subject (e.g. 'a photo of sks dog')")
         _bool(p, "with_prior_preservation", "also train on images of the subject's class under --class_prompt, "

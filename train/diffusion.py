@@ -93,7 +93,7 @@ class DiffusionTask:
         if self.loss_config.timestep_bias is not None:  # a range beyond the schedule is an error now, not mid-compile
             self.loss_config.timestep_bias.weights(sched.num_train_timesteps)
         self.prediction_type = prediction_type
-        center_crop = cfg.center_crop or cfg.task == "controlnet"  # diffusers' ControlNet scripts always crop the center
+        center_crop = cfg.center_crop or cfg.task == "controlnet"  # diffusers' ControlNet scripts crop the center
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=center_crop,
                                         random_flip=cfg.random_flip, seed=cfg.seed,
                                         tokenize=tokenizer_fn(fam, m.tokenizers),

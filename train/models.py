@@ -72,10 +72,10 @@ def unet_frozen(cfg: TrainConfig) -> bool:
 def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
     """How each model runs on `mesh` (whose devices split the batch): the UNet trains in the compute dtype
     with float32 master weights (frozen, under LoRA or when a ControlNet trains, it is kept in the compute
-    dtype, as diffusers' scripts keep it, and only the adapters or the ControlNet are float32); the text encoders run in the
-    compute dtype, their layers rematerialised under `--gradient_checkpointing` when they train; without
-    `--attention`, each model takes the sampler's backend for its dtype (`chunked` on a CPU:
-    benchmarks/README.md, a training step 0.73× the time of `xla`'s)."""
+    dtype, as diffusers' scripts keep it, and only the adapters or the ControlNet are float32); the text
+    encoders run in the compute dtype, their layers rematerialised under `--gradient_checkpointing` when
+    they train; without `--attention`, each model takes the sampler's backend for its dtype (`chunked` on
+    a CPU: benchmarks/README.md, a training step 0.73× the time of `xla`'s)."""
     dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
     shards = mesh.devices.size if mesh is not None else 1
     run = lambda d: dict(attention=cfg.attention or attention.default_backend(d), batch_shards=shards)
