@@ -23,7 +23,7 @@ from sdx import model_folder
 from sdx.errors import SdxError
 from train import config, data, dreambooth, sources
 from tests.processes import child_env
-from train.dreambooth_data import DreamBoothLoader, image_files, open_data, sample_class_images
+from train.dreambooth_data import DreamBoothLoader, open_data, sample_class_images
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,7 +69,7 @@ def test_class_images_are_sampled_only_when_missing(tmp_path):
     assert [e.where for e in (source.classes()[i] for i in range(3))] == ["00.png", made[0], made[1]]
 
     sample_class_images(source, generate, cfg, log=lambda _m: None)
-    assert len(calls) == 1 and len(image_files(tmp_path / "class")) == 3  # enough now: nothing sampled
+    assert len(calls) == 1 and len(sources.image_files(tmp_path / "class")) == 3  # enough now: nothing sampled
 
 
 def _loader(tmp_path, prior: bool) -> DreamBoothLoader:
@@ -166,7 +166,7 @@ def test_dreambooth_samples_class_images_trains_and_resumes_exactly(tmp_path, de
 
     assert dreambooth.train(argv(a)) == 0
     assert (a / model_folder.SPEC_FILE).is_file()  # the whole UNet: an sdx folder
-    files = image_files(tmp_path / "class")
+    files = sources.image_files(tmp_path / "class")
     assert [p.name.split("-")[0] for p in files] == ["0", "1", "2"]
     # the class images are the model's own, seed 0, 2 per call: the names hold the sha1 of the pixels sampled
     images = Pipeline.load(model)(Request(prompts=["a photo of dog"], height=32, width=32, steps=50,

@@ -42,7 +42,7 @@ class DreamBoothTask(diffusion.DiffusionTask):
         if source.class_dir is not None:
             sample_class_images(source, self._sample, cfg, self.log)
             classes = source.classes()
-        tokenize = diffusion.tokenizer_fn(self.models.family, self.models.tokenizers)
+        tokenize = self.transform.tokenize  # the loader's (`diffusion.tokenizer_fn`)
         ids = {"instance": tokenize(cfg.instance_prompt), "class": tokenize(cfg.class_prompt or "")}
 
         def loader(images, seed: int) -> data.Loader:

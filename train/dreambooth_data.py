@@ -61,19 +61,12 @@ class DreamBoothData:
 
     def classes(self) -> sources.Source:
         """The class images used: the first --num_class_images of the folder (once there are that many)."""
-        found = image_files(self.class_dir)
+        found = sources.image_files(self.class_dir)
         if len(found) < self.num_class_images:
             raise SdxError(f"--class_data_dir {self.class_dir} holds {len(found)} images, fewer than "
                            f"--num_class_images {self.num_class_images}")
         folder = sources.FolderSource(self.class_dir, sources.Columns.images_only(), name="--class_data_dir")
         return sources.Subset(folder, range(self.num_class_images))
-
-
-def image_files(folder: Path) -> list[Path]:
-    """The image files under `folder`, in path order (none when it does not exist)."""
-    if not folder.is_dir():
-        return []
-    return [p for p in sorted(folder.rglob("*")) if p.suffix.lower() in sources.IMAGE_EXTENSIONS and p.is_file()]
 
 
 def open_data(cfg: TrainConfig) -> DreamBoothData:
@@ -86,7 +79,7 @@ def open_data(cfg: TrainConfig) -> DreamBoothData:
         root = Path(cfg.instance_data_dir)
         if not root.is_dir():
             raise SdxError(f"--instance_data_dir {root} is not a folder")
-        if not image_files(root):
+        if not sources.image_files(root):
             raise SdxError(f"--instance_data_dir {root} holds no image files ({', '.join(sources.IMAGE_EXTENSIONS)})")
         instance = sources.FolderSource(root, sources.Columns.images_only(), name=f"--instance_data_dir {root}")
     if cfg.repeats > 1:
@@ -96,7 +89,7 @@ def open_data(cfg: TrainConfig) -> DreamBoothData:
         class_dir = Path(cfg.class_data_dir)
         if class_dir.exists() and not class_dir.is_dir():
             raise SdxError(f"--class_data_dir {class_dir} is a file, not a folder")
-        if len(image_files(class_dir)) < cfg.num_class_images:
+        if len(sources.image_files(class_dir)) < cfg.num_class_images:
             io.check_writable(class_dir, "--class_data_dir")
     return DreamBoothData(instance, class_dir, cfg.num_class_images)
 
@@ -105,7 +98,7 @@ def sample_class_images(source: DreamBoothData, generate, cfg: TrainConfig, log=
     """Sample the class images `source.class_dir` lacks. generate(count, seed) -> uint8 images (count, H,
     W, 3) of --class_prompt (image j from seed's key j, `pipelines.request`); seed = --seed + the number of
     images already there. Each is written whole (atomically) as `{number}-{sha1}.jpg`."""
-    have = len(image_files(source.class_dir))
+    have = len(sources.image_files(source.class_dir))
     missing = source.num_class_images - have
     if missing <= 0:
         return

@@ -390,8 +390,7 @@ class FolderSource(Source):
             if first:
                 raise SdxError(f"dataset {name}: its metadata files hold no rows")
         else:
-            files = _train_split([p for p in sorted(self.root.rglob("*"))
-                                  if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()], self.root, name)
+            files = _train_split(image_files(self.root), self.root, name)
             self.found = ("image",)
             columns.check(self.found, f"dataset {name} (images without metadata.jsonl)")
             self._images = [(str(p),) * len(images_col) for p in files]
@@ -412,6 +411,13 @@ class FolderSource(Source):
             where = self._files[i]
         text = self._texts[i] if self.columns.text else None
         return Example(row=i, images=self._images[i], text=text, where=where)
+
+
+def image_files(folder: Path) -> list[Path]:
+    """The image files under `folder` (IMAGE_EXTENSIONS), in path order; none when it does not exist."""
+    if not folder.is_dir():
+        return []
+    return [p for p in sorted(folder.rglob("*")) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
 
 
 def _read_metadata(path: Path, root: Path):
