@@ -230,6 +230,61 @@ def resolve_vae(spec: str, *, variant: str | None = None, cache_dir: str | Path 
     return folder / "vae" if chosen.picked[0].startswith("vae/") else folder
 
 
+# --------------------------------------------------------------------------------------------------
+# --ip-adapter: the adapter file and its image encoder's folder
+
+ENCODER_FOLDER = "image_encoder"  # beside the adapter file, as h94/IP-Adapter lays them out
+
+
+def _encoder_files(listing: list[str], folder: str, where: str) -> list[str]:
+    """The image encoder's config and safetensors weights among `listing`, under `folder` ('' for the root)."""
+    prefix = f"{folder}/" if folder else ""
+    found = [f for f in listing if f.startswith(prefix) and "/" not in f[len(prefix):]
+             and (f.endswith((".safetensors", ".safetensors.index.json")) or f == f"{prefix}config.json")]
+    if f"{prefix}config.json" not in found or not any(f.endswith(".safetensors") for f in found):
+        raise SdxError(f"{where} has no image encoder in {folder or 'its root'}/ (config.json and model.safetensors); "
+                       "name it with --ip-adapter-image-encoder")
+    return found
+
+
+def resolve_ip_adapter(spec: str, encoder: str | None = None, *, cache_dir: str | Path | None = None,
+                       log: Log | None = None) -> tuple[Path, Path]:
+    """(the adapter file, its image encoder's folder) of `--ip-adapter` and `--ip-adapter-image-encoder`.
+
+    spec: a local file, whose encoder defaults to the `image_encoder` folder beside it; or a hub
+    `org/name/sub/file.safetensors` (h94/IP-Adapter/models/ip-adapter_sd15.safetensors), downloaded with
+    `sub/image_encoder/`'s config and safetensors weights unless the encoder is given. encoder: a local
+    folder or a hub `org/name/sub/folder`."""
+    if Path(spec).exists():
+        adapter = Path(spec)
+    else:
+        repo, file = _hub_or_error(spec, "--ip-adapter")
+        if file is None:
+            raise SdxError(f"--ip-adapter {spec}: name the adapter's file in the repo, e.g. "
+                           "h94/IP-Adapter/models/ip-adapter_sd15.safetensors")
+        where = f"--ip-adapter {spec}: hub repo {repo!r}"
+        beside = str(Path(file).parent / ENCODER_FOLDER).removeprefix("./")
+
+        def choose(listing: list[str]) -> list[str]:
+            if file not in listing:
+                raise SdxError(f"{where} has no file {file}")
+            return [file] + ([] if encoder is not None else _encoder_files(listing, beside, where))
+
+        folder = hub.fetch_files(repo, choose, cache_dir=cache_dir, log=log)
+        adapter = folder / file
+        if encoder is None:
+            return adapter, folder / beside
+    if encoder is None:
+        return adapter, adapter.parent / ENCODER_FOLDER
+    if Path(encoder).exists():
+        return adapter, Path(encoder)
+    repo, sub = _hub_or_error(encoder, "--ip-adapter-image-encoder")
+    where = f"--ip-adapter-image-encoder {encoder}: hub repo {repo!r}"
+    folder = hub.fetch_files(repo, lambda listing: _encoder_files(listing, sub or "", where), cache_dir=cache_dir,
+                             log=log)
+    return adapter, folder / (sub or "")
+
+
 _VAE_ARCHITECTURE = ("in_channels", "out_channels", "block_out_channels", "layers_per_block", "latent_channels",
                      "norm_num_groups", "use_quant_conv", "use_post_quant_conv", "mid_block_add_attention")
 

@@ -10,7 +10,8 @@ models (`default`, `default-edit`: trained by sdx on its shapes world; without -
 tests). The pipeline type comes from the model;
 --image makes it img2img (or InstructPix2Pix for such a model), --image with --mask inpainting (an
 inpainting model's own 9-channel way, or by blending with any other SD/SDXL model); --controlnet with
---control-image guides any of text-to-image, img2img and inpainting with ControlNets. Bad input ends with
+--control-image guides any of text-to-image, img2img and inpainting with ControlNets, --ip-adapter with
+--ip-adapter-image adds an image to the prompt (IP-Adapter). Bad input ends with
 one `error:` line and exit status 2.
 
 The command lives in pipelines/ since it uses convert/ and pipelines/; sdx/sample.py is only its documented
@@ -100,6 +101,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--guess-mode", action="store_true",
                    help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
                         "blocks and, with guidance, on the text branch only")
+    p.add_argument("--ip-adapter", metavar="FILE",
+                   help="an IP-Adapter .safetensors file (plain or plus, e.g. h94/IP-Adapter's "
+                        "models/ip-adapter_sd15.safetensors) that lets --ip-adapter-image prompt the model")
+    p.add_argument("--ip-adapter-image", metavar="FILE", help="the image prompt an --ip-adapter reads")
+    p.add_argument("--ip-adapter-scale", metavar="S", type=float, default=1.0,
+                   help="weight of the image prompt in every cross-attention (default 1.0; 0 ignores it)")
+    p.add_argument("--ip-adapter-image-encoder", metavar="FOLDER",
+                   help="the adapter's CLIP image encoder (a transformers CLIPVisionModelWithProjection folder; "
+                        "default: image_encoder beside the --ip-adapter file, as h94/IP-Adapter lays them out)")
     p.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
     p.add_argument("--height", type=int)
     p.add_argument("--width", type=int)
@@ -247,9 +257,35 @@ def check_control_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
     return [read_control_image(path) for path in args.control_image]
 
 
+def check_ip_adapter_flags(args: argparse.Namespace) -> PIL.Image.Image | None:
+    """Refuse bad IP-Adapter flags; returns the --ip-adapter-image picture, as read here."""
+    if not args.ip_adapter:
+        if args.ip_adapter_image or args.ip_adapter_image_encoder:
+            raise SdxError("--ip-adapter-image and --ip-adapter-image-encoder go with an IP-Adapter: pass --ip-adapter")
+        return None
+    if not args.ip_adapter_image:
+        raise SdxError("--ip-adapter: give the image it reads, --ip-adapter-image")
+    if args.refiner:
+        raise SdxError("--ip-adapter and --refiner do not go together: an IP-Adapter is made for one UNet")
+    if not math.isfinite(args.ip_adapter_scale):
+        raise SdxError(f"--ip-adapter-scale {args.ip_adapter_scale} must be a finite number")
+    from convert.hub import split_hub_path
+    from convert.sources import looks_local
+    from sdx.ip_adapter import config_of, read_file
+
+    spec = args.ip_adapter
+    on_hub = not Path(spec).exists() and not looks_local(spec) and (split_hub_path(spec) or ("", None))[1] is not None
+    if not on_hub:
+        config_of(read_file(spec), f"--ip-adapter {spec}")  # a missing, pickled or foreign file fails here, unloaded
+    try:
+        return images.decode(args.ip_adapter_image)
+    except images.UnreadableImage as e:
+        raise SdxError(f"--ip-adapter-image {args.ip_adapter_image}: cannot read the image ({e})") from None
+
+
 def check_flags(args: argparse.Namespace) -> tuple:
     """Refuse bad values of the flags that say what to generate; returns the --latents array, the --image
-    and --mask pictures and the --control-image pictures, as read here."""
+    and --mask pictures, the --control-image pictures and the --ip-adapter-image picture, as read here."""
     from pipelines.masks import read_mask
 
     for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
@@ -277,7 +313,7 @@ def check_flags(args: argparse.Namespace) -> tuple:
     if args.config and not Path(args.config).is_dir():
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
-    return latents, picture, mask, check_control_flags(args)
+    return latents, picture, mask, check_control_flags(args), check_ip_adapter_flags(args)
 
 
 @dataclasses.dataclass
@@ -292,6 +328,7 @@ class Job:
     picture: PIL.Image.Image | None = None
     mask: PIL.Image.Image | None = None
     controls: list[PIL.Image.Image] = dataclasses.field(default_factory=list)
+    ip_picture: PIL.Image.Image | None = None
     done: bool = False
 
 
@@ -304,13 +341,13 @@ def check_args(args: argparse.Namespace) -> list[Job]:
         return _prompts_file_jobs(args)
     if not args.prompt:
         raise SdxError("give --prompt (one or more prompts) or --prompts-file FILE")
-    latents, picture, mask, controls = check_flags(args)
+    latents, picture, mask, controls, ip_picture = check_flags(args)
     paths = output_paths(args.output, len(args.prompt) * args.num_images, args.seed, args.overwrite)
     grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
     io.check_writable(paths[0].parent, "--output")
     if grid_path is not None:
         io.check_writable(grid_path.parent, "--grid")
-    return [Job(args, paths, grid_path, latents, picture, mask, controls)]
+    return [Job(args, paths, grid_path, latents, picture, mask, controls, ip_picture)]
 
 
 def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
@@ -440,14 +477,19 @@ def _log(msg: str) -> None:
 
 def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=None) -> list:
     """[the pipeline] or [the SDXL base, the refiner]; first: `Pipeline.load`'s."""
-    from convert.sources import ModelOptions
+    from convert.sources import ModelOptions, resolve_ip_adapter
     from pipelines.pipeline import Pipeline
     from sdx.attention import default_backend
 
     attention = args.attention or default_backend(args.dtype)
     load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, scheduler=args.scheduler,
                                                     attention=attention, mesh=mesh, name=name, **kw)
-    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), cache_dir=cache / "models", log=log, first=first)
+    ip_adapter = encoder = None
+    if args.ip_adapter:
+        ip_adapter, encoder = resolve_ip_adapter(args.ip_adapter, args.ip_adapter_image_encoder, cache_dir=cache / "models",
+                                                 log=log)
+    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), ip_adapter=ip_adapter, image_encoder=encoder,
+                cache_dir=cache / "models", log=log, first=first)
     if not args.refiner:
         return [pipe]
     if not pipe.family.xl or pipe.family.pix2pix:
@@ -459,6 +501,7 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=
 def _request(job: Job, pipe):
     """The job's `Request`, checked against the model, and its `pipelines.masks.Crop` with
     --padding-mask-crop, else None (--image and --mask are read again for a prompts-file line)."""
+    from pipelines import image_prompt
     from pipelines.masks import Crop, fit_mask, read_mask
     from pipelines.request import Request
 
@@ -466,6 +509,7 @@ def _request(job: Job, pipe):
     picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
     mask_picture = job.mask if job.mask is not None or not a.mask else read_mask(a.mask)
     control_pictures = job.controls or [read_control_image(path) for path in a.control_image]
+    ip_picture = job.ip_picture if job.ip_picture is not None or not a.ip_adapter_image else check_ip_adapter_flags(a)
     size = (a.height, a.width) if a.height and a.width else None
     blur, crop = a.mask_blur, None
     if a.padding_mask_crop is not None:  # the crop around the mask, at the asked or the model's size
@@ -496,7 +540,8 @@ def _request(job: Job, pipe):
         original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
         aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
         clip_skip=a.clip_skip, long_prompt=a.long_prompt, controls=controls, guess_mode=a.guess_mode,
-        vae_tiling=a.vae_tiling,
+        vae_tiling=a.vae_tiling, image_prompt=None if ip_picture is None else
+        image_prompt.ImagePrompt(image_prompt.prepare([ip_picture], pipe.image_encoder), a.ip_adapter_scale),
     )
     pipe.validate(request)
     return request, crop
@@ -553,7 +598,8 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
         if a.vae_tiling:
             params["vae_tiling"] = True
         for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
-                    "lora", "vae", "controlnet", "control_image", "guess_mode", "padding_mask_crop"):
+                    "lora", "vae", "controlnet", "control_image", "guess_mode", "padding_mask_crop", "ip_adapter",
+                    "ip_adapter_image"):
             if getattr(a, key, None):
                 params[key] = getattr(a, key)
         if a.image and pipe.family.pix2pix:
@@ -562,6 +608,8 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
             params["strength"] = request.strength
         if request.controls:
             params["controlnet_conditioning_scale"] = [c.scale for c in request.controls]
+        if request.image_prompt is not None:
+            params["ip_adapter_scale"] = request.image_prompt.scale
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
         written.append(path)

@@ -35,12 +35,14 @@ class Conditioning:
     """What the UNet is conditioned on, batch first: context (B, S, D); pooled (B, P), SDXL's pooled text
     embedding, or None; time_ids (B, N), SDXL's micro-conditioning ((B, 0) otherwise); image (B, h, w, K):
     channels concatenated to the UNet's input (InstructPix2Pix's image latents, or an inpainting model's
-    mask and masked-image latents), or None."""
+    mask and masked-image latents), or None; ip_tokens (B, N, D): an IP-Adapter's image tokens
+    (`pipelines.image_prompt`), or None."""
 
     context: jax.Array
     pooled: jax.Array | None
     time_ids: jax.Array
     image: jax.Array | None = None
+    ip_tokens: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -4,7 +4,8 @@
     images = pipe(Request(prompts=["a lighthouse"], height=1024, width=1024))  # (N, H, W, 3) in [0, 1]
 
 The pipeline type (SD, SDXL, refiner, InstructPix2Pix, inpainting) comes from the model itself;
-`controlnets` adds ControlNets that guide it (`pipelines.control`). `refine` runs the SDXL base up to
+`controlnets` adds ControlNets that guide it (`pipelines.control`), `ip_adapter` an IP-Adapter that reads an
+image prompt (`pipelines.image_prompt`). `refine` runs the SDXL base up to
 `high_noise_frac` and hands its latents to a refiner, as diffusers' ensemble of expert denoisers does.
 """
 
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import control, executables
+from pipelines import control, executables, image_prompt
 from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
 from pipelines.sampler import Sampler, controlnet_name, working_bytes
@@ -64,6 +65,8 @@ class Pipeline:
         fsdp: int = 1,
         name: str | None = None,
         controlnets: tuple[str, ...] = (),
+        ip_adapter: str | None = None,
+        image_encoder: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         log=None,
         first: Callable[[Pipeline], Request] | None = None,
@@ -73,10 +76,12 @@ class Pipeline:
         dtype: the text encoders', UNet's and ControlNets' parameters and activations; vae_dtype: the VAE's
         (float32 by default: the SDXL VAE overflows in float16). scheduler: a `--scheduler` name, or None
         for the model's own scheduler_config.json. controlnets: ControlNets (`convert.controlnet.load_controlnet`
-        sources: folders, hub ids, single files), downloaded to `cache_dir`. first: makes the request the
+        sources: folders, hub ids, single files), downloaded to `cache_dir`. ip_adapter: an IP-Adapter
+        .safetensors file, with its CLIP image encoder's folder `image_encoder` (default: `image_encoder`
+        beside the file; `pipelines.image_prompt.load`). first: makes the request the
         pipeline will serve first, from a pipeline over the abstract models (shapes only, no weights; its
         errors are raised before any weight is read); its stored programs are read while the weights load
-        (without ControlNets).
+        (without ControlNets or an IP-Adapter).
         """
         from convert.controlnet import load_controlnet
 
@@ -95,7 +100,7 @@ class Pipeline:
         abstract = {n: model_folder.abstract_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n],
                                                        spec=spec, abstract=executables.abstract_model)
                     for n in ("unet", "vae", *family.encoders)}
-        if first is not None and not controlnets:
+        if first is not None and not controlnets and ip_adapter is None:
             placed = {n: weights.placed_abstract(m, dtype=computes[n].param_dtype, sharding=rule)
                       for n, m in abstract.items()}
             shell = cls.from_models(placed, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
@@ -112,6 +117,9 @@ class Pipeline:
                                   abstract=executables.abstract_model)
             control.check_compatible(net, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
             nets.append(net)
+        if ip_adapter is not None:
+            loaded |= image_prompt.load(ip_adapter, image_encoder, loaded["unet"], dtype=dtype, compute=computes["unet"],
+                                        sharding=rule)
         return cls.from_models(loaded, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
                                name=name or str(folder), controlnets=tuple(nets))
 
@@ -178,7 +186,13 @@ class Pipeline:
 
     def validate(self, request: Request) -> None:
         """An SdxError, in the user's terms, for what this pipeline's models cannot take (`pipelines.request.validate`)."""
-        validate(request, self.family, self.factor, self.multiple, len(self.controlnets), self.sampler.models["vae"].config)
+        validate(request, self.family, self.factor, self.multiple, len(self.controlnets), self.sampler.models["vae"].config,
+                 ip_adapter=self.image_encoder is not None)
+
+    @property
+    def image_encoder(self):
+        """The IP-Adapter's CLIP image encoder (`pipelines.image_prompt`), or None without an adapter."""
+        return self.sampler.models.get(image_prompt.ENCODER)
 
     def _work(self, request: Request) -> list:
         return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,

@@ -24,9 +24,9 @@ from sdx.errors import SdxError
 
 PROMPTS = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")  # a string, as a one-item list flag
 SETTINGS: dict[str, type] = {
-    **dict.fromkeys(PROMPTS, str), "image": str, "mask": str, "mask_blur": float,
+    **dict.fromkeys(PROMPTS, str), "image": str, "mask": str, "mask_blur": float, "ip_adapter_image": str,
     **dict.fromkeys(("seed", "steps", "height", "width", "num_images", "padding_mask_crop"), int),
-    **dict.fromkeys(("guidance_scale", "guidance_rescale", "image_guidance_scale", "strength"), float),
+    **dict.fromkeys(("guidance_scale", "guidance_rescale", "image_guidance_scale", "strength", "ip_adapter_scale"), float),
 }
 
 

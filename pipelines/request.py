@@ -17,6 +17,7 @@ import numpy as np
 
 from pipelines import control, guidance, sampler, text
 from pipelines.control import Control
+from pipelines.image_prompt import ImagePrompt
 from pipelines.family import Family
 from pipelines.sampler import START_IMAGE, START_LATENTS, START_NOISE, Inputs, Plan
 from sdx.errors import SdxError
@@ -30,7 +31,7 @@ class Request:
     for inpainting; `latents` (images, h, w, C) float32 initial noise in sdx layout (NHWC), before the
     scheduler's init_noise_sigma; `init_latents` (images, h, w, C) to continue (refiner hand-over);
     `controls`: one `Control` per ControlNet of the pipeline, in order; `guess_mode`: diffusers' (see
-    `pipelines.control`)."""
+    `pipelines.control`); `image_prompt`: the IP-Adapter's image and scale (`pipelines.image_prompt`)."""
 
     prompts: Sequence[str]
     height: int
@@ -66,6 +67,7 @@ class Request:
     vae_tiling: bool = False
     controls: Sequence[Control] = ()
     guess_mode: bool = False
+    image_prompt: ImagePrompt | None = None
 
     @property
     def num_images(self) -> int:
@@ -99,9 +101,10 @@ def _time_ids(family: Family, r: Request, negative: bool) -> list[float]:
     return [*original, *crops, *target]
 
 
-def validate(r: Request, family: Family, factor: int, multiple: int, controlnets: int = 0, vae=None) -> None:
+def validate(r: Request, family: Family, factor: int, multiple: int, controlnets: int = 0, vae=None,
+             ip_adapter: bool = False) -> None:
     """Fail early, in the user's terms, on what the models cannot take (`controlnets`: the pipeline's; `vae`:
-    its VAE's config, whose tiles `vae_tiling` needs to line up)."""
+    its VAE's config, whose tiles `vae_tiling` needs to line up; `ip_adapter`: whether it has one)."""
     if not r.prompts:
         raise SdxError("give at least one prompt")
     if r.steps < 1:
@@ -146,6 +149,17 @@ def validate(r: Request, family: Family, factor: int, multiple: int, controlnets
         for decoding in (True, False):
             vae.tiles(decoding)  # an SdxError unless the tiles line up
     _validate_controls(r, family, controlnets)
+    _validate_image_prompt(r, ip_adapter)
+
+
+def _validate_image_prompt(r: Request, ip_adapter: bool) -> None:
+    if ip_adapter and r.image_prompt is None:
+        raise SdxError("--ip-adapter: give the image it reads, --ip-adapter-image")
+    if r.image_prompt is not None and not ip_adapter:
+        raise SdxError("--ip-adapter-image: this pipeline has no IP-Adapter (pass --ip-adapter)")
+    if r.image_prompt is not None and r.image_prompt.pixels.shape[0] not in (1, len(r.prompts)):
+        raise SdxError(f"give one --ip-adapter-image or one per prompt ({len(r.prompts)}), not "
+                       f"{r.image_prompt.pixels.shape[0]}")
 
 
 def _validate_controls(r: Request, family: Family, controlnets: int) -> None:
@@ -201,6 +215,7 @@ def batches(
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
         decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
         inpaint=r.mask is not None, controlnets=len(r.controls), guess_mode=r.guess_mode and bool(r.controls),
+        image_prompt=r.image_prompt is not None,
         blank_rows=jax.default_backend() in sampler.BLANK_ROWS_PLATFORMS, vae_tiling=r.vae_tiling,
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
@@ -221,6 +236,8 @@ def batches(
     if r.mask is not None:
         mask_all = per_image_array(r.mask)
     control_all = [per_image_array(c.image) for c in r.controls]
+    ip_all = None if r.image_prompt is None else per_image_array(r.image_prompt.pixels)
+    ip_scale = np.float32(0.0 if r.image_prompt is None else r.image_prompt.scale)
     total_calls = len(scheduler.timesteps(r.steps))
     control_scales = control.scales_per_call(r.controls, total_calls, begin, end)
 
@@ -245,6 +262,8 @@ def batches(
             mask=take(mask_all).astype(np.float32) if mask_all is not None else np.zeros((0, 0, 0, 0), np.float32),
             control=tuple(take(a).astype(np.float32) for a in control_all),
             control_scales=control_scales,
+            ip_image=take(ip_all).astype(np.float32) if ip_all is not None else np.zeros((0, 0, 0, 0), np.float32),
+            ip_scale=ip_scale,
             state=state,
         )
         out.append((plan, inputs, min(batch, n - b0)))

@@ -75,7 +75,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import control, cpu_kernels, executables, guidance, host_memory, masks, text
+from pipelines import control, cpu_kernels, executables, guidance, host_memory, image_prompt, masks, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
@@ -115,7 +115,8 @@ class Plan:
     "latents" (continue given latents as they are: the refiner after the base);
     decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt;
     inpaint: a mask says what to repaint (`Inputs.mask`); controlnets: how many of the sampler's
-    ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`); blank_rows: a zero
+    ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`); image_prompt: an IP-Adapter
+    reads `Inputs.ip_image` (`pipelines.image_prompt`); blank_rows: a zero
     negative branch skips its cross-attentions (`Guidance.blank_rows`; set where `BLANK_ROWS_PLATFORMS` says);
     vae_tiling: the VAE encodes and decodes images larger than its tile in overlapping tiles (`sdx.vae_tiles`).
     """
@@ -136,6 +137,7 @@ class Plan:
     inpaint: bool = False
     controlnets: int = 0
     guess_mode: bool = False
+    image_prompt: bool = False
     blank_rows: bool = False
     vae_tiling: bool = False
 
@@ -163,7 +165,8 @@ class Inputs:
     in [-1, 1] for img2img and InstructPix2Pix, (B, h, w, C) latents for start="latents", (B, 0, 0, 0)
     otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; control: per
     ControlNet (B, H, W, C) its image in [0, 1]; control_scales: (ControlNets, calls) each one's scale at
-    each call of [begin, end); state: the scheduler's tables for calls [begin, end).
+    each call of [begin, end); ip_image: (B, S, S, 3) the IP-Adapter's image encoder's input, (0, 0, 0, 0)
+    without one; ip_scale: () its scale; state: the scheduler's tables for calls [begin, end).
     """
 
     ids: dict[str, jax.Array]
@@ -178,6 +181,8 @@ class Inputs:
     mask: jax.Array
     control: tuple[jax.Array, ...]
     control_scales: jax.Array
+    ip_image: jax.Array
+    ip_scale: jax.Array
     state: State
 
 
@@ -219,7 +224,8 @@ class Known:
 @dataclasses.dataclass(frozen=True)
 class Fixed:
     """What every model call reads and none changes: the UNet batch's conditioning (B * branches rows),
-    its context as the UNet's `text_context` (every attention's keys and values of it, projected once),
+    its context as the UNet's `text_context` (every attention's keys and values of it, projected once, and
+    an IP-Adapter's of its image tokens),
     each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, and the
     ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`) and their own
     `text_context`s of the context."""
@@ -290,12 +296,17 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
                                  Stream.MASKED_POSTERIOR, devices)
         extra = jnp.concatenate([mask, masked], axis=-1)
     extra = None if extra is None else extra.astype(dtype)
-    cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra)
+    guided = plan.guidance.branches > 1
+    ip_tokens = ip_none = None
+    if plan.image_prompt:
+        ip_tokens, ip_none = image_prompt.tokens(models[image_prompt.ADAPTER], models[image_prompt.ENCODER],
+                                                 inputs.ip_image, guided)
+    cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra, ip_tokens)
     negative = None
-    if plan.guidance.branches > 1:  # InstructPix2Pix's guidance lays out its image branches itself
+    if guided:  # InstructPix2Pix's guidance lays out its image branches itself
         neg_context, neg_pooled = guidance.negative_conditioning(fam, encoders, inputs.negative_ids, inputs.zero_negative, dtype)
         negative = Conditioning(neg_context, neg_pooled, inputs.negative_time_ids.astype(dtype),
-                                None if fam.pix2pix else extra)
+                                None if fam.pix2pix else extra, ip_none)
 
     blend = plan.inpaint and not fam.inpaint
     image_latents = None
@@ -314,7 +325,10 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention
     blank = plan.guidance.blank_rows(fam) if plan.blank_rows else None
     control_blank = None if plan.guess_mode else blank  # guess mode runs a ControlNet on the text rows alone
-    fixed = Fixed(both, models["unet"].text_context(both.context, blank), inputs.keys, inputs.scales, known,
+    unet_text = models["unet"].text_context(both.context, blank)
+    if plan.image_prompt:
+        unet_text = models[image_prompt.ADAPTER].attach(models["unet"], unet_text, both.ip_tokens, inputs.ip_scale)
+    fixed = Fixed(both, unet_text, inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales,
                   tuple(net.text_context(both.context, control_blank) for net in nets))
     return Carry(x, state, first_bad), fixed
@@ -450,8 +464,8 @@ class _Programs:
 class Sampler:
     """Compiles and runs the programs for a set of loaded models on a mesh.
 
-    models: {"unet", "vae", "text_encoder"[, "text_encoder_2"][, `controlnet_name(k)`...]} live nnx modules
-    (already placed);
+    models: {"unet", "vae", "text_encoder"[, "text_encoder_2"][, `controlnet_name(k)`...][, "image_encoder",
+    "ip_adapter"]} live nnx modules (already placed);
     chunk: model calls per denoise call; compile_log: called with (plan, seconds) after each plan's
     programs are compiled; compilations counts those plans.
     """
@@ -507,11 +521,14 @@ class Sampler:
             mask=batched(inputs.mask) if np.shape(inputs.mask)[0] else rep(inputs.mask),
             control=tuple(batched(a) for a in inputs.control),
             control_scales=rep(inputs.control_scales),
+            ip_image=batched(inputs.ip_image) if np.shape(inputs.ip_image)[0] else rep(inputs.ip_image),
+            ip_scale=rep(inputs.ip_scale),
             state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
         )
 
     def _prepare_params(self, plan: Plan) -> dict:
-        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *_controlnet_names(plan))}
+        adapter = (image_prompt.ENCODER, image_prompt.ADAPTER) if plan.image_prompt else ()
+        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *_controlnet_names(plan), *adapter)}
 
     def _denoise_params(self, plan: Plan) -> dict:
         return {name: self.params[name] for name in ("unet", *_controlnet_names(plan))}
@@ -592,9 +609,10 @@ class Sampler:
         inputs = self.place(inputs)
         programs = self.compiled(plan, inputs)
         carry, fixed = programs.prepare(self._prepare_params(plan), inputs)
-        if self._unmap_encoders:  # the text encoders' file pages leave the process until the next prepare
+        if self._unmap_encoders:  # the encoders' file pages leave the process until the next prepare
             jax.block_until_ready((carry, fixed))
-            weights.unmap([self.params[name] for name in plan.family.encoders])
+            image = (image_prompt.ENCODER,) if plan.image_prompt else ()
+            weights.unmap([self.params[name] for name in (*plan.family.encoders, *image)])
         queued = []  # (index output, calls) of denoise calls not yet reported
         for calls in programs.sizes:
             carry, index = programs.denoise[calls](self._denoise_params(plan), carry, fixed)

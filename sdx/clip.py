@@ -51,6 +51,7 @@ class TextEncoderConfig(JsonConfig):
 
     label: ClassVar[str] = "text encoder config"
     kinds: ClassVar[Mapping[str, Kind]] = {**diffusers_config.TEXT_ENCODER_KINDS, "with_projection": FLAG}
+    causal: ClassVar[bool] = True  # `CLIPAttention`: each token attends to itself and the tokens before it
 
     vocab_size: int = 49408
     hidden_size: int = 768
@@ -140,11 +141,16 @@ class CLIPTextEmbeddings(nnx.Module):
 
 
 class CLIPAttention(nnx.Module):
+    """Self-attention, causal or not as `cfg.causal` says: the text encoder's config (causal) or the
+    vision encoder's (`sdx.clip_vision.VisionEncoderConfig`, every patch sees every other); the layers
+    built on it serve both."""
+
     def __init__(self, cfg: TextEncoderConfig, cp: Compute, *, rngs: nnx.Rngs):
         d = cfg.hidden_size
-        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        # 77 tokens need no query chunking, so `chunked` (an image-model backend) means `xla` here, and
-        # cuDNN flash attention is only used where it exists, for 16-bit activations.
+        self.heads, self.head_dim, self.causal = cfg.num_attention_heads, cfg.head_dim, cfg.causal
+        # 77 text tokens (or ViT-H/14's 257 image tokens) need no query chunking, so `chunked` (an
+        # image-model backend) means `xla` here, and cuDNN flash attention is only used where it exists,
+        # for 16-bit activations.
         half = jnp.dtype(cp.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         self.backend = "cudnn" if cp.attention == "cudnn" and half else "xla"
         self.q_proj = linear(cp, d, d, rngs=rngs)
@@ -156,7 +162,8 @@ class CLIPAttention(nnx.Module):
         b, t, _ = x.shape
         split = lambda a: a.reshape(b, t, self.heads, self.head_dim)  # (B, T, H, D)  # noqa: E731
         o = dot_product_attention(
-            split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)), backend=self.backend, causal=True
+            split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)),
+            backend=self.backend, causal=self.causal,
         )
         return self.out_proj(o.reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
 

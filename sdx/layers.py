@@ -68,12 +68,13 @@ def linear(cp: Compute, din: int, dout: int, *, rngs: nnx.Rngs, bias: bool = Tru
                       dot_general=products.dot_general, rngs=rngs)
 
 
-def conv(cp: Compute, cin: int, cout: int, kernel: int, *, rngs: nnx.Rngs, stride: int = 1, padding=None) -> nnx.Conv:
+def conv(cp: Compute, cin: int, cout: int, kernel: int, *, rngs: nnx.Rngs, stride: int = 1, padding=None,
+         bias: bool = True) -> nnx.Conv:
     """A torch-style Conv2d: symmetric padding kernel//2 unless given explicitly."""
     if padding is None:
         padding = ((kernel // 2, kernel // 2),) * 2
     return nnx.Conv(
-        cin, cout, (kernel, kernel), strides=stride, padding=padding,
+        cin, cout, (kernel, kernel), strides=stride, padding=padding, use_bias=bias,
         dtype=cp.dtype, param_dtype=cp.param_dtype, conv_general_dilated=convlib.for_backend(cp.conv), rngs=rngs,
     )
 
@@ -240,16 +241,22 @@ class TextContext:
 
     states: (B, S, D); kv: {attention key: (keys, values), each (B, S, heads, head_dim)}; blank: the rows
     whose text may be blank (static), and is_blank () bool, whether it is: then those rows' cross-attentions
-    are not computed (`Attention`)."""
+    are not computed (`Attention`). image_kv: an IP-Adapter's keys and values of its image tokens for the
+    cross-attentions it adapts, {attention key: (keys, values), each (B, N, heads, head_dim)}, attended to
+    beside the text and added times image_scale () float32 (`sdx.ip_adapter`); None without one."""
 
     states: jax.Array
     kv: dict[str, tuple[jax.Array, jax.Array]]
     blank: BlankRows | None = dataclasses.field(default=None, metadata={"static": True})
     is_blank: jax.Array | None = None
+    image_kv: dict[str, tuple[jax.Array, jax.Array]] | None = None
+    image_scale: jax.Array | None = None
 
     def only(self, keys) -> TextContext:
         """This context with the projections of `keys` alone (what one block passes on)."""
-        return dataclasses.replace(self, kv={k: self.kv[k] for k in keys})
+        keys = tuple(keys)
+        image = None if self.image_kv is None else {k: self.image_kv[k] for k in keys if k in self.image_kv}
+        return dataclasses.replace(self, kv={k: self.kv[k] for k in keys}, image_kv=image)
 
 
 class Attention(nnx.Module):
@@ -289,11 +296,15 @@ class Attention(nnx.Module):
         h = x.reshape(shape[0], -1, shape[-1])  # (B, T, C)
         if self.group_norm is not None:
             h = self.group_norm(h)
+        image = None
         if isinstance(context, TextContext):
             k, v = context.kv[self.key]
+            image = (context.image_kv or {}).get(self.key)
         else:
             k, v = self.keys_values(h if context is None else context)
-        if isinstance(context, TextContext) and context.blank is not None:
+        if image is not None:  # every row reads the image tokens: no blank rows to skip
+            o = self._attend(h, k, v, image, context.image_scale)
+        elif isinstance(context, TextContext) and context.blank is not None:
             blank = context.blank
             o = jax.lax.cond(context.is_blank, lambda *a: self._blank_rows(blank, *a), self._attend, h, k, v)
         else:
@@ -303,13 +314,17 @@ class Attention(nnx.Module):
             o = (o + x) / self.rescale_output_factor
         return o
 
-    def _attend(self, h, k, v) -> jax.Array:
-        """h (B, T, C), k/v (B, S, heads, head_dim) -> to_out(attention) (B, T, C)."""
+    def _attend(self, h, k, v, image=None, image_scale=None) -> jax.Array:
+        """h (B, T, C), k/v (B, S, heads, head_dim) -> to_out(attention) (B, T, C). image: an IP-Adapter's
+        (keys, values) (B, N, heads, head_dim), whose attention from the same queries is added times
+        `image_scale` before to_out (`sdx.ip_adapter`)."""
         q = self.to_q(h)
-        o = dot_product_attention(
-            q.reshape(q.shape[0], q.shape[1], self.heads, self.head_dim), k, v,  # (B, T, H, D)
-            backend=self.backend, chunk_size=self.chunk, shards=self.shards,
-        )
+        q = q.reshape(q.shape[0], q.shape[1], self.heads, self.head_dim)  # (B, T, H, D)
+        attend = lambda keys, values: dot_product_attention(
+            q, keys, values, backend=self.backend, chunk_size=self.chunk, shards=self.shards)
+        o = attend(k, v)
+        if image is not None:
+            o = o + image_scale.astype(o.dtype) * attend(*image)
         return self.to_out[0](o.reshape(o.shape[0], o.shape[1], -1))  # (B, T, H*D) -> (B, T, C)
 
     def _blank_rows(self, blank: BlankRows, h, k, v) -> jax.Array:

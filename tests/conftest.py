@@ -34,12 +34,14 @@ SLOW_FILES = (
     "tests/test_train_step.py",  # ~85
     "tests/test_train_lora.py",  # ~70
     "tests/test_controlnet_pipelines.py",  # ~70
+    "tests/test_ip_adapter_pipelines.py",  # ~70
     "tests/test_inpaint.py",  # ~70
     "tests/test_train_vae.py",  # ~70
     "tests/test_train_cache.py",  # ~60
     "tests/test_dreambooth.py",  # ~55
     "tests/test_train_controlnet.py",  # ~45
-    "tests/test_randomness.py",  # ~55
+    "tests/test_randomness.py",  # ~80
+    "tests/test_ip_adapter.py",  # ~40
     "tests/test_fuzz_readers.py",  # ~45
     "tests/test_vae.py",  # ~40
     "tests/test_full_disk.py",  # ~35
