@@ -45,6 +45,22 @@ def _size(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _ip_scale(text: str) -> float | dict:
+    """--ip-adapter-scale: a number, or a JSON object of per-block scales."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor a JSON object like "
+                                         '\'{"up": {"block_0": [0.0, 1.0, 0.0]}}\'')
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     from sdx.attention import BACKENDS
     from sdx.schedulers import SCHEDULERS
@@ -105,8 +121,10 @@ def parser() -> argparse.ArgumentParser:
                    help="an IP-Adapter .safetensors file (plain or plus, e.g. h94/IP-Adapter's "
                         "models/ip-adapter_sd15.safetensors) that lets --ip-adapter-image prompt the model")
     p.add_argument("--ip-adapter-image", metavar="FILE", help="the image prompt an --ip-adapter reads")
-    p.add_argument("--ip-adapter-scale", metavar="S", type=float, default=1.0,
-                   help="weight of the image prompt in every cross-attention (default 1.0; 0 ignores it)")
+    p.add_argument("--ip-adapter-scale", metavar="S", type=_ip_scale, default=1.0,
+                   help="weight of the image prompt in every cross-attention (default 1.0; 0 ignores it), or per block "
+                        "as JSON, diffusers' set_ip_adapter_scale dict, e.g. '{\"up\": {\"block_0\": [0.0, 1.0, 0.0]}}' "
+                        "(InstantStyle: the style block only; parts and blocks left out get 0)")
     p.add_argument("--ip-adapter-image-encoder", metavar="FOLDER",
                    help="the adapter's CLIP image encoder (a transformers CLIPVisionModelWithProjection folder; "
                         "default: image_encoder beside the --ip-adapter file, as h94/IP-Adapter lays them out)")
@@ -267,7 +285,7 @@ def check_ip_adapter_flags(args: argparse.Namespace) -> PIL.Image.Image | None:
         raise SdxError("--ip-adapter: give the image it reads, --ip-adapter-image")
     if args.refiner:
         raise SdxError("--ip-adapter and --refiner do not go together: an IP-Adapter is made for one UNet")
-    if not math.isfinite(args.ip_adapter_scale):
+    if not isinstance(args.ip_adapter_scale, dict) and not math.isfinite(args.ip_adapter_scale):
         raise SdxError(f"--ip-adapter-scale {args.ip_adapter_scale} must be a finite number")
     from convert.hub import split_hub_path
     from convert.sources import looks_local

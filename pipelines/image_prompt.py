@@ -11,9 +11,9 @@
 - With guidance, the negative branches read the tokens of no image: a plain adapter projects zeros in place
   of the embedding, a plus one encodes an all-zero image (diffusers' `encode_image`); InstructPix2Pix's two
   negative branches both do, as diffusers' pipeline has it.
-- The scale multiplies the image attention in every cross-attention (diffusers' `set_ip_adapter_scale` with
-  one number; 0 leaves the text alone); it is an input of the compiled programs, so a new scale compiles
-  nothing.
+- The scale multiplies the image attention in every cross-attention (diffusers' `set_ip_adapter_scale`; 0
+  leaves the text alone), or per block (`sdx.ip_adapter.attention_scales`, InstantStyle); one per
+  cross-attention is an input of the compiled programs, so a new scale compiles nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 from sdx import weights
 from sdx.clip_vision import CLIPVisionModelWithProjection, image_encoder_inputs, load_image_encoder
 from sdx.errors import SdxError
-from sdx.ip_adapter import IPAdapter, load_ip_adapter
+from sdx.ip_adapter import IPAdapter, Scale, attention_scales, load_ip_adapter
 from sdx.layers import Compute
 
 if TYPE_CHECKING:
@@ -42,10 +42,15 @@ ENCODER, ADAPTER = "image_encoder", "ip_adapter"  # the two models' names in a s
 @dataclasses.dataclass(frozen=True)
 class ImagePrompt:
     """The image part of a request: pixels (N, S, S, 3) float32, the encoder's input (`prepare`), N = 1 or
-    one per prompt; scale: the image attention's weight."""
+    one per prompt; scale: the image attention's weight, one number or a per-block spec
+    (`sdx.ip_adapter.attention_scales`)."""
 
     pixels: np.ndarray
-    scale: float = 1.0
+    scale: Scale = 1.0
+
+    def per_attention(self, unet) -> np.ndarray:
+        """(cross-attentions,) float32: the scale of each of `unet`'s cross-attentions."""
+        return attention_scales(self.scale, unet)
 
 
 def load(adapter: str | os.PathLike, encoder: str | os.PathLike | None, unet, *, dtype: str, compute: Compute,

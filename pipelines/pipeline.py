@@ -188,6 +188,8 @@ class Pipeline:
         """An SdxError, in the user's terms, for what this pipeline's models cannot take (`pipelines.request.validate`)."""
         validate(request, self.family, self.factor, self.multiple, len(self.controlnets), self.sampler.models["vae"].config,
                  ip_adapter=self.image_encoder is not None)
+        if request.image_prompt is not None:
+            request.image_prompt.per_attention(self.sampler.models["unet"])  # a per-block spec that does not fit fails here
 
     @property
     def image_encoder(self):
@@ -195,8 +197,10 @@ class Pipeline:
         return self.sampler.models.get(image_prompt.ENCODER)
 
     def _work(self, request: Request) -> list:
+        prompt = request.image_prompt
+        ip_scales = None if prompt is None else prompt.per_attention(self.sampler.models["unet"])
         return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
-                       devices=self.sampler.mesh.devices.size)
+                       devices=self.sampler.mesh.devices.size, ip_scales=ip_scales)
 
     def fitted(self, request: Request) -> Request:
         """`request` with what it leaves to free memory chosen: the batch size when not given

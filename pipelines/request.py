@@ -179,10 +179,12 @@ def _validate_controls(r: Request, family: Family, controlnets: int) -> None:
 
 
 def batches(
-    r: Request, family: Family, tokenizers, scheduler: Scheduler, *, factor: int, channels: int, devices: int = 1
+    r: Request, family: Family, tokenizers, scheduler: Scheduler, *, factor: int, channels: int, devices: int = 1,
+    ip_scales: np.ndarray | None = None,
 ) -> list[tuple[Plan, Inputs, int]]:
     """[(plan, inputs, real)]: the request cut into compiled-call batches; `real` is how many of the
-    batch's images are wanted (the last batch is padded to the batch size)."""
+    batch's images are wanted (the last batch is padded to the batch size). ip_scales: with an image prompt,
+    its scale for each cross-attention of the UNet (`ImagePrompt.per_attention`)."""
     n, h, w = r.num_images, r.height // factor, r.width // factor
     batch = r.batch_size or n
     batch = -(-batch // devices) * devices  # every device gets the same share
@@ -237,7 +239,7 @@ def batches(
         mask_all = per_image_array(r.mask)
     control_all = [per_image_array(c.image) for c in r.controls]
     ip_all = None if r.image_prompt is None else per_image_array(r.image_prompt.pixels)
-    ip_scale = np.float32(0.0 if r.image_prompt is None else r.image_prompt.scale)
+    ip_scale = np.zeros((0,), np.float32) if ip_scales is None else np.asarray(ip_scales, np.float32)
     total_calls = len(scheduler.timesteps(r.steps))
     control_scales = control.scales_per_call(r.controls, total_calls, begin, end)
 

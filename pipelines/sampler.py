@@ -166,7 +166,7 @@ class Inputs:
     otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; control: per
     ControlNet (B, H, W, C) its image in [0, 1]; control_scales: (ControlNets, calls) each one's scale at
     each call of [begin, end); ip_image: (B, S, S, 3) the IP-Adapter's image encoder's input, (0, 0, 0, 0)
-    without one; ip_scale: () its scale; state: the scheduler's tables for calls [begin, end).
+    without one; ip_scale: (cross-attentions,) the scale of each of the UNet's, (0,) without one; state: the scheduler's tables for calls [begin, end).
     """
 
     ids: dict[str, jax.Array]

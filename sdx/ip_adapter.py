@@ -19,6 +19,10 @@ Two image projections, as the released files have them:
 Files are the original release's layout, which diffusers' `load_ip_adapter` reads: `image_proj.*` and
 `ip_adapter.<n>.to_k_ip.weight` / `.to_v_ip.weight`, n = 1, 3, 5, ... numbering the UNet's cross-attentions
 in diffusers' order of its attention processors (down blocks, up blocks, mid block; `cross_attentions`).
+
+The scale is one number, or one per cross-attention from a per-block spec (InstantStyle, Wang et al. 2024:
+`{"up": {"block_0": [0.0, 1.0, 0.0]}}` lets only the style block read the image), expanded by
+`attention_scales` as diffusers' `set_ip_adapter_scale` expands it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Union
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +44,7 @@ from sdx.errors import SdxError
 from sdx.layers import F32, Attention, Compute, LayerNorm, TextContext, linear
 
 PLAIN, PLUS = "plain", "plus"
+Scale = Union[float, Mapping]  # one number, or a per-block spec (`attention_scales`)
 PLAIN_TOKENS = 4  # the plain projection's token count (diffusers' load_ip_adapter fixes it too)
 RESAMPLER_HEAD_DIM = 64  # the resampler's head size, which its files do not record
 
@@ -172,16 +178,58 @@ class IPAdapter(nnx.Module):
         adapter, the next-to-last hidden state (B, T, E) for a plus one."""
         return self.image_proj(features.astype(self.compute.dtype))
 
-    def attach(self, unet: nnx.Module, ctx: TextContext, tokens: jax.Array, scale: jax.Array) -> TextContext:
+    def attach(self, unet: nnx.Module, ctx: TextContext, tokens: jax.Array, scales: jax.Array) -> TextContext:
         """`ctx` (the UNet's `text_context`) with every cross-attention's keys and values of `tokens`
-        (B, tokens, D), B the context's rows, and the scale their attention is added with."""
+        (B, tokens, D), B the context's rows, and the scale its attention is added with: `scales` () for
+        all, or (cross-attentions,) one each (`attention_scales`)."""
         attentions = cross_attentions(unet)
         check_fits(self.config, attentions, "ip-adapter")
+        scales = jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (len(attentions),))
         kv = {}
-        for (key, attention), layer in zip(attentions, self.layers):
+        for i, ((key, attention), layer) in enumerate(zip(attentions, self.layers)):
             split = lambda a: a.reshape(a.shape[0], a.shape[1], attention.heads, attention.head_dim)  # (B, N, H, D)
-            kv[key] = (split(layer.to_k_ip(tokens)), split(layer.to_v_ip(tokens)))
-        return dataclasses.replace(ctx, image_kv=kv, image_scale=jnp.asarray(scale, jnp.float32))
+            kv[key] = (split(layer.to_k_ip(tokens)), split(layer.to_v_ip(tokens)), scales[i])
+        return dataclasses.replace(ctx, image_kv=kv)
+
+
+def attention_scales(scale: Scale, unet: nnx.Module) -> np.ndarray:
+    """(cross-attentions,) float32: the scale of each of `unet`'s `cross_attentions`, from one number or a
+    per-block spec, as diffusers' `set_ip_adapter_scale` expands it (`_maybe_expand_lora_scales`):
+    {"down": S, "mid": S, "up": S}, each part optional (default 0); a part S is one number for all its
+    blocks with attentions or {"block_<i>": V}, blocks left out 0; V is one number for all the block's
+    Transformer2DModels or a list with one per Transformer2DModel (a one-item list counts for all)."""
+    keys = [key for key, _ in cross_attentions(unet)]
+    if not isinstance(scale, Mapping):
+        return np.full(len(keys), scale, np.float32)
+    unknown = sorted(set(scale) - {"down", "mid", "up"})
+    if unknown:
+        raise SdxError(f"--ip-adapter-scale: unknown part {unknown[0]!r}; the parts are down, mid and up")
+    per_prefix = {}  # module path prefix of a Transformer2DModel -> its scale
+    for part, group in (("down", "down_blocks"), ("up", "up_blocks")):
+        blocks = {i: len(b.attentions) for i, b in enumerate(getattr(unet, group)) if b.attentions is not None}
+        spec = scale.get(part, 0.0)
+        spec = spec if isinstance(spec, Mapping) else {f"block_{i}": spec for i in blocks}
+        wrong = sorted(set(spec) - {f"block_{i}" for i in blocks})
+        if wrong:
+            raise SdxError(f"--ip-adapter-scale: {part} has no {wrong[0]} with attentions; it has "
+                           f"{', '.join(f'block_{i}' for i in blocks)}")
+        for i, count in blocks.items():
+            values = spec.get(f"block_{i}", 0.0)
+            values = list(values) if isinstance(values, (list, tuple)) else [values]
+            if len(values) not in (1, count):
+                raise SdxError(f"--ip-adapter-scale: {part}.block_{i} has {count} transformer(s); give 1 or {count} "
+                               f"scales, not {len(values)}")
+            for j, value in enumerate(values * count if len(values) == 1 else values):
+                per_prefix[f"{group}.{i}.attentions.{j}."] = value
+    mid = scale.get("mid", 0.0)
+    mid = list(mid) if isinstance(mid, (list, tuple)) else [mid]
+    if len(mid) != 1:
+        raise SdxError(f"--ip-adapter-scale: mid takes one scale, not {len(mid)}")
+    per_prefix["mid_block.attentions.0."] = mid[0]
+    try:
+        return np.asarray([next(v for p, v in per_prefix.items() if key.startswith(p)) for key in keys], np.float32)
+    except (TypeError, ValueError):
+        raise SdxError(f"--ip-adapter-scale {scale}: every scale must be a number") from None
 
 
 def check_fits(c: IPAdapterConfig, attentions: list[tuple[str, Attention]], where: str) -> None:

@@ -242,15 +242,14 @@ class TextContext:
     states: (B, S, D); kv: {attention key: (keys, values), each (B, S, heads, head_dim)}; blank: the rows
     whose text may be blank (static), and is_blank () bool, whether it is: then those rows' cross-attentions
     are not computed (`Attention`). image_kv: an IP-Adapter's keys and values of its image tokens for the
-    cross-attentions it adapts, {attention key: (keys, values), each (B, N, heads, head_dim)}, attended to
-    beside the text and added times image_scale () float32 (`sdx.ip_adapter`); None without one."""
+    cross-attentions it adapts and the scale each adds their attention with, {attention key: (keys, values,
+    scale)}, keys and values (B, N, heads, head_dim), scale () float32 (`sdx.ip_adapter`); None without one."""
 
     states: jax.Array
     kv: dict[str, tuple[jax.Array, jax.Array]]
     blank: BlankRows | None = dataclasses.field(default=None, metadata={"static": True})
     is_blank: jax.Array | None = None
-    image_kv: dict[str, tuple[jax.Array, jax.Array]] | None = None
-    image_scale: jax.Array | None = None
+    image_kv: dict[str, tuple[jax.Array, jax.Array, jax.Array]] | None = None
 
     def only(self, keys) -> TextContext:
         """This context with the projections of `keys` alone (what one block passes on)."""
@@ -303,7 +302,7 @@ class Attention(nnx.Module):
         else:
             k, v = self.keys_values(h if context is None else context)
         if image is not None:  # every row reads the image tokens: no blank rows to skip
-            o = self._attend(h, k, v, image, context.image_scale)
+            o = self._attend(h, k, v, image)
         elif isinstance(context, TextContext) and context.blank is not None:
             blank = context.blank
             o = jax.lax.cond(context.is_blank, lambda *a: self._blank_rows(blank, *a), self._attend, h, k, v)
@@ -314,17 +313,18 @@ class Attention(nnx.Module):
             o = (o + x) / self.rescale_output_factor
         return o
 
-    def _attend(self, h, k, v, image=None, image_scale=None) -> jax.Array:
+    def _attend(self, h, k, v, image=None) -> jax.Array:
         """h (B, T, C), k/v (B, S, heads, head_dim) -> to_out(attention) (B, T, C). image: an IP-Adapter's
-        (keys, values) (B, N, heads, head_dim), whose attention from the same queries is added times
-        `image_scale` before to_out (`sdx.ip_adapter`)."""
+        (keys, values, scale), keys and values (B, N, heads, head_dim), whose attention from the same queries
+        is added times the scale before to_out (`sdx.ip_adapter`)."""
         q = self.to_q(h)
         q = q.reshape(q.shape[0], q.shape[1], self.heads, self.head_dim)  # (B, T, H, D)
         attend = lambda keys, values: dot_product_attention(
             q, keys, values, backend=self.backend, chunk_size=self.chunk, shards=self.shards)
         o = attend(k, v)
         if image is not None:
-            o = o + image_scale.astype(o.dtype) * attend(*image)
+            keys, values, scale = image
+            o = o + scale.astype(o.dtype) * attend(keys, values)
         return self.to_out[0](o.reshape(o.shape[0], o.shape[1], -1))  # (B, T, H*D) -> (B, T, C)
 
     def _blank_rows(self, blank: BlankRows, h, k, v) -> jax.Array:

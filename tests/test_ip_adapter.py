@@ -119,6 +119,38 @@ def test_unet_with_adapter_matches_diffusers(tmp_path, case, kind, scale):
     assert err < 1e-4 * max(1.0, np.abs(ref).max())
 
 
+# per-block specs as diffusers' set_ip_adapter_scale takes them (InstantStyle's style and layout blocks among them)
+SPECS = {
+    "sd1": [{"down": {"block_0": [0.5, 2.0]}}, {"up": {"block_1": [0.0, 1.0, 0.0]}, "mid": [0.3]}, {"down": 0.7, "up": 1.5}],
+    "sdxl": [{"up": {"block_0": [0.0, 1.0]}}, {"down": {"block_2": 0.4}, "mid": 2.0, "up": {"block_1": [1.0]}}],
+}
+
+
+@pytest.mark.parametrize("case", SPECS)
+def test_per_block_scales_match_diffusers(case):
+    import types
+
+    from diffusers.loaders.ip_adapter import IPAdapterMixin
+
+    d = CASES[case]
+    reference = _torch_unet(d)
+    model = _sdx_unet(UNetConfig.from_diffusers_config(d), reference)
+    _diffusers_with(reference, adapter_file(reference, IP.PLAIN), 1.0)
+    names = [name[: -len(".processor")] for name in reference.attn_processors if name.endswith("attn2.processor")]
+    for spec in SPECS[case]:
+        IPAdapterMixin.set_ip_adapter_scale(types.SimpleNamespace(unet=reference), spec)
+        theirs = [reference.attn_processors[f"{name}.processor"].scale[0] for name in names]
+        np.testing.assert_array_equal(IP.attention_scales(spec, model), np.float32(theirs), err_msg=str(spec))
+        assert len(set(theirs)) > 1  # the spec tells blocks apart
+    with pytest.raises(SdxError, match="no block_7"):
+        IP.attention_scales({"up": {"block_7": 1.0}}, model)
+    with pytest.raises(SdxError, match="unknown part 'middle'"):
+        IP.attention_scales({"middle": 1.0}, model)
+    with pytest.raises(SdxError, match="give 1 or"):
+        block = next(i for i, b in enumerate(model.up_blocks) if b.attentions is not None)
+        IP.attention_scales({"up": {f"block_{block}": [1.0] * 7}}, model)
+
+
 def test_attention_order_is_diffusers_processor_order():
     d = CASES["sdxl"]
     reference = _torch_unet(d)

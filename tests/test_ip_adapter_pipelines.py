@@ -11,6 +11,7 @@ resize and crop are covered. Each test checks that the adapter changes the pictu
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -76,8 +77,9 @@ def _diffusers(pipe, cls, root, scale: float):
 
 @pytest.mark.parametrize("kind,model,adapter,scale", [
     ("sd15", "StableDiffusionPipeline", IP.PLAIN, 0.7),
-    # SDXL without a negative prompt: zero text in the negative branch (blank rows), read with the adapter
-    ("sdxl", "StableDiffusionXLPipeline", IP.PLUS, 1.0),
+    # SDXL without a negative prompt: zero text in the negative branch (blank rows), read with the adapter;
+    # per-block scales (the up blocks left out: 0)
+    ("sdxl", "StableDiffusionXLPipeline", IP.PLUS, {"down": 1.0, "mid": 0.5}),
 ])
 def test_text_to_image_matches_diffusers(tiny, tmp_path, kind, model, adapter, scale):
     pipe, folder = tiny(kind)
@@ -95,7 +97,7 @@ def test_text_to_image_matches_diffusers(tiny, tmp_path, kind, model, adapter, s
     if negative:
         args += ["--negative-prompt", "dark", "blurry"]
     ours = run_cli(tmp_path, folder, *args, "--ip-adapter", str(weights), "--ip-adapter-image", path,
-                   "--ip-adapter-scale", str(scale))
+                   "--ip-adapter-scale", json.dumps(scale))
     assert_images_close(ours, to_uint8(ref))
     plain = run_cli(tmp_path / "plain", folder, *args)
     assert np.abs(plain.astype(np.int32) - ours.astype(np.int32)).mean() > 2
@@ -209,3 +211,7 @@ def test_adapter_for_another_unet_or_encoder(tiny, tmp_path, capsys):
         image_size=32, patch_size=8)).save_pretrained(tmp_path / "wrong_encoder")
     assert main(base + ["--ip-adapter", str(weights), "--ip-adapter-image-encoder", str(tmp_path / "wrong_encoder")]) == 2
     assert "its image encoder gives 13-wide ones" in capsys.readouterr().err
+    assert main(base + ["--ip-adapter", str(weights), "--ip-adapter-scale", '{"up": {"block_9": 1.0}}']) == 2
+    assert "up has no block_9 with attentions" in capsys.readouterr().err
+    assert main(base + ["--ip-adapter", str(weights), "--ip-adapter-scale", "high"]) == 2
+    assert "neither a number nor a JSON object" in capsys.readouterr().err
