@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
                    help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or a hub org/name[/FILE]) at SCALE "
                         "(default 1.0); repeatable")
+    p.add_argument("--embedding", metavar="FILE[:TOKEN]", action="append", default=[],
+                   help="add a textual inversion embedding (diffusers learned_embeds, A1111 or SDXL .safetensors, or a hub org/name/FILE) as the word TOKEN (default: its own token, else the file's name); repeatable")
     p.add_argument("--vae", metavar="MODEL", default=None,
                    help="use this VAE instead of the model's: a diffusers VAE folder, a pipeline folder, an sdx "
                         "folder, a single VAE file, or a hub id (org/name or org/name/FILE)")
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     def body():
         args = _parser().parse_args(argv)
         log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
-        options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
+        options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
+                                         embedding=args.embedding)
         convert(args.src, args.out, fmt=args.fmt, dtype=args.dtype, variant=args.variant, revision=args.revision,
                 overwrite=args.overwrite, options=options, log=log)
 

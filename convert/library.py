@@ -19,7 +19,8 @@ from convert.sources import (
     Log,
     ModelOptions,
     apply_options,
-    builtin_tokenizers,
+    resolve_embedding,
+    tokenizer_folders,
     check_source,
     default_variant,
     looks_local,
@@ -64,11 +65,12 @@ def convert(
     if variant is None:
         variant = default_variant(dtype)
     loras, vae = resolved(options, variant=variant, cache_dir=cache_dir, log=log)
+    embeddings = [(resolve_embedding(spec, cache_dir=cache_dir, log=log), token) for spec, token in options.embeddings]
     part = controlnet.read_if_controlnet(src, config=options.config, preset=options.preset, variant=variant,
                                          revision=revision, cache_dir=cache_dir, log=log)
     if part is not None:
         if options.changes_weights:
-            raise SdxError(f"{src}: a ControlNet; --lora and --vae apply to pipelines")
+            raise SdxError(f"{src}: a ControlNet; --lora, --vae and --embedding apply to pipelines")
         return controlnet_folder.WRITERS[fmt](part, out, dtype=dtype, overwrite=overwrite, log=log)
     if fmt == "sdx" and model_folder.is_model_folder(src) and options.empty:
         return model_folder.resave(src, out, dtype=dtype, overwrite=overwrite, log=log)
@@ -78,8 +80,10 @@ def convert(
         raise SdxError(f"{src}: a standalone VAE file; use it with --vae, or write it with --format single-file")
     apply_options(ckpt, loras, vae, variant=variant, log=log)
     if not ckpt.pipeline_class:
+        if embeddings:
+            raise SdxError(f"{src}: a standalone VAE; --embedding adds words to a pipeline's text encoders")
         return WRITERS[fmt](ckpt, out, dtype=dtype, overwrite=overwrite, log=log)
-    with builtin_tokenizers(ckpt, log):
+    with tokenizer_folders(ckpt, embeddings, log):
         return WRITERS[fmt](ckpt, out, dtype=dtype, overwrite=overwrite, log=log)
 
 
@@ -135,7 +139,8 @@ def ensure_sdx_folder(
 ) -> Path:
     """An sdx model folder for `src`: `src` itself when it is one (and `options` change nothing), else a
     conversion cached once under `cache_dir` (default `default_cache_dir()/models`), keyed by the
-    source's identity, `dtype` and the options (the LoRA files' identities and scales, the VAE's).
+    source's identity, `dtype` and the options (the LoRA files' identities and scales, the VAE's, the
+    embeddings' with their tokens).
 
     A folder or single file is keyed by its resolved path and file stats; a hub id by the snapshot it
     resolves to (so a new commit converts again). This is what `python -m sdx.sample --model` calls.
@@ -167,6 +172,9 @@ def ensure_sdx_folder(
         key += f"\0lora\0{identity(lora)}\0{scale!r}"
     if vae is not None:
         key += f"\0vae\0{identity(vae)}"
+    embeddings = [(resolve_embedding(spec, log=log), token) for spec, token in options.embeddings]
+    for embedding, token in embeddings:
+        key += f"\0embedding\0{identity(embedding)}\0{token!r}"
     digest = hashlib.sha256(f"{key}\0{variant}".encode()).hexdigest()[:12]
     out = root / f"{name}-{dtype}-{digest}"
     if model_folder.is_model_folder(out):
@@ -177,7 +185,7 @@ def ensure_sdx_folder(
         raise SdxError(f"{src}: a standalone VAE file, not a model; pass it with --vae")
     apply_options(ckpt, loras, vae, variant=variant, log=log)
     try:
-        with builtin_tokenizers(ckpt, log):
+        with tokenizer_folders(ckpt, embeddings, log):
             return sdx_folder.write_sdx_folder(ckpt, out, dtype=dtype, overwrite=True, log=log)
     except SdxError:
         if model_folder.is_model_folder(out):  # another process finished the same conversion first

@@ -44,15 +44,19 @@ class ModelOptions:
     loras: (file or hub path, scale) pairs, merged in order (`--lora FILE[:SCALE]`).
     vae: a VAE to use instead of the model's (`--vae`): a diffusers VAE folder, a pipeline folder
       (its vae/), an sdx folder, a single VAE file, or a hub id (`org/name`, `org/name/file.safetensors`).
+    embeddings: (file or hub path, token or None) pairs, textual inversion embeddings added in order
+      (`--embedding FILE[:TOKEN]`, `convert.textual_inversion`).
     """
 
     config: str | None = None
     preset: str | None = None
     loras: tuple[tuple[str, float], ...] = ()
     vae: str | None = None
+    embeddings: tuple[tuple[str, str | None], ...] = ()
 
     @classmethod
-    def from_args(cls, *, config=None, preset=None, lora: Sequence[str] | None = None, vae=None) -> ModelOptions:
+    def from_args(cls, *, config=None, preset=None, lora: Sequence[str] | None = None, vae=None,
+                  embedding: Sequence[str] | None = None) -> ModelOptions:
         from convert.lora import parse_lora_arg
 
         loras = []
@@ -60,7 +64,8 @@ class ModelOptions:
             _, scale = parse_lora_arg(arg)  # checks the scale
             head, sep, tail = arg.rpartition(":")
             loras.append((head if sep and head and _is_number(tail) else arg, scale))  # the path as typed
-        return cls(config=config, preset=preset, loras=tuple(loras), vae=vae)
+        return cls(config=config, preset=preset, loras=tuple(loras), vae=vae,
+                   embeddings=tuple(map(parse_embedding_arg, embedding or ())))
 
     @property
     def single_file_only(self) -> bool:
@@ -68,11 +73,20 @@ class ModelOptions:
 
     @property
     def changes_weights(self) -> bool:
-        return bool(self.loras) or self.vae is not None
+        return bool(self.loras) or self.vae is not None or bool(self.embeddings)
 
     @property
     def empty(self) -> bool:
         return not (self.single_file_only or self.changes_weights)
+
+
+def parse_embedding_arg(arg: str) -> tuple[str, str | None]:
+    """`--embedding FILE[:TOKEN]` -> (FILE, TOKEN or None): the text after the last colon is the token unless
+    the whole argument names a file (or the text before the colon would be empty)."""
+    head, sep, tail = arg.rpartition(":")
+    if not sep or not head or not tail or Path(arg).exists():
+        return arg, None
+    return head, tail
 
 
 def _is_number(text: str) -> bool:
@@ -347,23 +361,43 @@ def swap_vae(ckpt: Checkpoint, path: Path, *, variant: str | None = None, log: L
 
 
 @contextlib.contextmanager
-def builtin_tokenizers(ckpt: Checkpoint, log: Log):
+def tokenizer_folders(ckpt: Checkpoint, embeddings: Sequence[tuple[Path, str | None]], log: Log):
     """Give a single file's Checkpoint the tokenizers it lacks, from sdx's built-in CLIP vocabulary with
-    the pad token its text encoders were trained with (the folders live until the `with` ends)."""
+    the pad token its text encoders were trained with, then add the textual inversion `embeddings` (files
+    and tokens) to its tokenizers and text encoders (`convert.textual_inversion`); the new folders live
+    until the `with` ends."""
     from convert import single_file
+    from convert.textual_inversion import add_embeddings
     from sdx.tokenizer import write_builtin_folder
 
     wanted = {f"tokenizer{c[len('text_encoder'):]}" for c in ckpt.tensors if c.startswith("text_encoder")}
     missing = sorted(wanted - set(ckpt.tokenizers))
-    if not missing:
+    if not missing and not embeddings:
         yield
         return
-    specs = single_file.tokenizer_specs(ckpt)
     with tempfile.TemporaryDirectory(prefix="sdx-tokenizers-") as tmp:
+        specs = single_file.tokenizer_specs(ckpt) if missing else {}
         for name in missing:
             ckpt.tokenizers[name] = write_builtin_folder(Path(tmp) / name, pad_token=specs[name]["pad_token"])
             log(f"{name}: sdx's built-in CLIP vocabulary (pad token {specs[name]['pad_token']!r})")
+        add_embeddings(ckpt, embeddings, Path(tmp), log)
         yield
+
+
+def resolve_embedding(spec: str, *, cache_dir: str | Path | None = None, log: Log | None = None) -> Path:
+    """The local file of an `--embedding` argument: a path, or a hub `org/name/file.safetensors`, downloaded."""
+    if Path(spec).exists():
+        return Path(spec)
+    repo, file = _hub_or_error(spec, "--embedding")
+    if file is None:
+        raise SdxError(f"--embedding {spec}: name the file in the repo, e.g. {spec}/learned_embeds.safetensors")
+
+    def choose(listing: list[str]) -> list[str]:
+        if file not in listing:
+            raise SdxError(f"--embedding {spec}: hub repo {repo!r} has no file {file}")
+        return [file]
+
+    return hub.fetch_files(repo, choose, cache_dir=cache_dir, log=log) / file
 
 
 def resolved(options: ModelOptions, *, variant, cache_dir, log) -> tuple[list[tuple[Path, float]], Path | None]:

@@ -4,7 +4,7 @@
         --steps 30 --dtype bfloat16 --output out.png
 
 --model takes an sdx folder, a diffusers folder, a single-file checkpoint, a hub id (converted once
-into the cache; --lora, --vae and --config are applied in that conversion), one of the shipped default
+into the cache; --lora, --vae, --embedding and --config are applied in that conversion), one of the shipped default
 models (`default`, `default-edit`: trained by sdx on its shapes world; without --model, `default`, or
 `default-edit` when --image is given without --mask) or a demo model name (`tiny`, `tiny_xl`: random weights, for
 tests). The pipeline type comes from the model;
@@ -78,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
                    help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into --model "
                         "at SCALE (default 1.0); repeatable")
+    p.add_argument("--embedding", metavar="FILE[:TOKEN]", action="append", default=[],
+                   help="add a textual inversion embedding (diffusers learned_embeds, A1111 or SDXL .safetensors, or a hub org/name/FILE) as the word TOKEN (default: its own token, else the file's name); repeatable")
     p.add_argument("--vae", metavar="MODEL",
                    help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "
                         "instead of the model's; also for --refiner")
@@ -427,7 +429,8 @@ def run(args: argparse.Namespace) -> list[Path]:
         enable_compilation_cache(cache / "jax")
     meshlib.initialize()
     mesh = meshlib.make_mesh(args.fsdp)
-    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae)
+    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
+                                     embedding=args.embedding)
     # inpainting and ControlNet img2img take the text-to-image model
     edits = any(job.args.image and not job.args.mask and not job.args.controlnet for job in jobs)
     args.model = args.model or ("default-edit" if edits else "default")
@@ -616,7 +619,7 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
         if a.vae_tiling:
             params["vae_tiling"] = True
         for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
-                    "lora", "vae", "controlnet", "control_image", "guess_mode", "padding_mask_crop", "ip_adapter",
+                    "lora", "vae", "embedding", "controlnet", "control_image", "guess_mode", "padding_mask_crop", "ip_adapter",
                     "ip_adapter_image"):
             if getattr(a, key, None):
                 params[key] = getattr(a, key)

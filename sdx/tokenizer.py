@@ -186,6 +186,15 @@ class CLIPTokenizer:
             ids[key] = i
         self.bos_id, self.eos_id, self.pad_id = ids["bos_token"], ids["eos_token"], ids["pad_token"]
         self.pad_token = named["pad_token"]
+        self.named = named
+        contents = {str(t) for t in tok.get_added_tokens_decoder().values()}
+        self._multi = {}  # textual inversion: token T with vectors T_1, ... -> "T T_1 ..." (`expand`)
+        for t in contents:
+            n = 1
+            while f"{t}_{n}" in contents:
+                n += 1
+            if n > 1:
+                self._multi[t] = " ".join([t] + [f"{t}_{i}" for i in range(1, n)])
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -239,11 +248,26 @@ class CLIPTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def added_tokens(self) -> dict[int, AddedToken]:
+        """{id: token} of the added tokens (the special ones, and a textual inversion's words)."""
+        return self._tok.get_added_tokens_decoder()
+
+    def expand(self, text: str) -> str:
+        """`text` with each multi-vector textual-inversion token T (the added tokens T, T_1, ..., T_{n-1})
+        replaced by "T T_1 ... T_{n-1}", as diffusers' `maybe_convert_prompt` does to every prompt (a plain
+        string replacement, as there); any other text as it is."""
+        if not self._multi:
+            return text
+        for token in dict.fromkeys(self._tok.encode(text, add_special_tokens=False).tokens):
+            if token in self._multi:
+                text = text.replace(token, self._multi[token])
+        return text
+
     def content_ids(self, texts: Sequence[str]) -> list[list[int]]:
-        """Each prompt's ids without BOS/EOS and without truncation."""
+        """Each prompt's ids without BOS/EOS and without truncation (multi-vector tokens `expand`ed)."""
         if isinstance(texts, str):
             raise TypeError("pass a list of prompts, not a single string")
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        return [e.ids for e in self._tok.encode_batch([self.expand(t) for t in texts], add_special_tokens=False)]
 
     def _wrap(self, ids: Sequence[int]) -> list[int]:
         body = self.max_length - 2
@@ -326,6 +350,32 @@ def write_builtin_folder(path: str | Path, pad_token: str = EOS) -> Path:
     return p
 
 
+
+
+def write_with_tokens(src: str | Path, dst: str | Path, tokens: Sequence[str]) -> tuple[Path, int]:
+    """(`dst`, the first new id): a copy of the tokenizer folder `src` at `dst` with `tokens` added after
+    every id it has, as
+    transformers' `add_tokens` adds words (not special, normalized, nothing stripped): its
+    tokenizer_config.json then lists every added token in `added_tokens_decoder`, with the named ones
+    (bos, eos, unk, pad), the form transformers 5 saves. A token the tokenizer already has is an SdxError."""
+    import shutil
+
+    old = CLIPTokenizer.from_folder(src)
+    known = old._tok.get_vocab()
+    taken = [t for t in tokens if t in known]
+    if taken:
+        raise SdxError(f"the token {taken[0]!r} is already in the tokenizer's vocabulary; name another (FILE:TOKEN)")
+    flags = lambda t: {"content": str(t), "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
+                       "single_word": t.single_word, "special": t.special}
+    decoder = {str(i): flags(t) for i, t in sorted(old.added_tokens().items())}
+    for k, t in enumerate(tokens):
+        decoder[str(old.vocab_size + k)] = flags(AddedToken(t, special=False, normalized=True))
+    dst = Path(dst)
+    shutil.copytree(src, dst)
+    config = io.read_json(dst / "tokenizer_config.json", optional=True) or {}
+    config.update(old.named, added_tokens_decoder=decoder)
+    (dst / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return dst, old.vocab_size
 
 
 def _read_merges(path: Path) -> list[tuple[str, ...]]:

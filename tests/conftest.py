@@ -39,6 +39,7 @@ SLOW_FILES = (
     "tests/test_train_vae.py",  # ~70
     "tests/test_train_cache.py",  # ~60
     "tests/test_dreambooth.py",  # ~55
+    "tests/test_textual_inversion.py",  # ~50
     "tests/test_train_controlnet.py",  # ~45
     "tests/test_randomness.py",  # ~80
     "tests/test_ip_adapter.py",  # ~40
