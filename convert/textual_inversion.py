@@ -7,7 +7,8 @@ A file holds one embedding, n vectors of each text encoder's width, in one of th
 - A1111 / ComfyUI: {"emb_params": (n, D)};
 - SDXL: {"clip_l": (n, 768), "clip_g": (n, 1280)}, for the first and second text encoder.
 
-Without TOKEN, the A1111 and SDXL layouts take the file's name (`easynegative.safetensors` -> easynegative).
+Without TOKEN, the A1111 and SDXL layouts take the word in the file's metadata ("token", which
+`python -m train.textual_inversion` writes), else the file's name (`easynegative.safetensors` -> easynegative).
 n vectors become n tokens, T, T_1, ..., T_{n-1}, added to each tokenizer after its last id
 (`sdx.tokenizer.write_with_tokens`) with their vectors appended to the text encoder's token embedding at
 those ids; a prompt's T reads all n (`sdx.tokenizer.CLIPTokenizer.expand`). Pickled `.pt`/`.bin` files are
@@ -41,6 +42,7 @@ def read_embedding(path: Path, token: str | None) -> tuple[str, dict[str, np.nda
     if not path.is_file():
         raise SdxError(f"{where}: no such file")
     tensors = io.read_safetensors(path)
+    token = token or io.read_safetensors_metadata(path).get("token")
     if set(tensors) == {SDXL_L, SDXL_G}:
         vectors = {k: np.asarray(v, np.float32) for k, v in tensors.items()}
     elif len(tensors) == 1:
@@ -89,7 +91,10 @@ def add_embeddings(ckpt: Checkpoint, embeddings: Sequence[tuple[Path, str | None
                                f"{table.shape[1]} wide (an embedding made for another model)")
             tokens = [token] + [f"{token}_{i}" for i in range(1, rows.shape[0])]
             name = "tokenizer" + encoder[len("text_encoder"):]
-            folder, first = write_with_tokens(ckpt.tokenizers[name], tmp / f"{name}-{n}", tokens)
+            try:
+                folder, first = write_with_tokens(ckpt.tokenizers[name], tmp / f"{name}-{n}", tokens)
+            except SdxError as e:
+                raise SdxError(f"{where}: {e} (FILE:TOKEN)") from None
             if first != table.shape[0]:
                 raise SdxError(f"{where}: {encoder} has {table.shape[0]} token embeddings and its tokenizer {first} "
                                "ids; sdx adds words where the two line up, as in every released model")

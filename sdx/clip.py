@@ -128,6 +128,11 @@ def _activation(name: str, x: jax.Array) -> jax.Array:
 
 
 class CLIPTextEmbeddings(nnx.Module):
+    """Token and position embeddings. `words`: the vectors of words being learned (textual inversion,
+    `sdx.textual_inversion`), (n, C), the ids after the token embedding's; None otherwise."""
+
+    words = None
+
     def __init__(self, cfg: TextEncoderConfig, cp: Compute, *, rngs: nnx.Rngs):
         embed = lambda n: nnx.Embed(  # noqa: E731
             n, cfg.hidden_size, dtype=cp.dtype, param_dtype=cp.param_dtype, rngs=rngs
@@ -137,7 +142,13 @@ class CLIPTextEmbeddings(nnx.Module):
 
     def __call__(self, input_ids):
         t = input_ids.shape[1]
-        return self.token_embedding(input_ids) + self.position_embedding(jnp.arange(t))[None]  # (B, T, C)
+        if self.words is None:
+            tokens = self.token_embedding(input_ids)
+        else:
+            table = self.token_embedding.embedding[...]
+            table = jnp.concatenate([table, self.words[...].astype(table.dtype)])  # (vocab + n, C)
+            tokens = jnp.take(table, input_ids, axis=0).astype(self.token_embedding.dtype)
+        return tokens + self.position_embedding(jnp.arange(t))[None]  # (B, T, C)
 
 
 class CLIPAttention(nnx.Module):

@@ -364,7 +364,7 @@ def write_with_tokens(src: str | Path, dst: str | Path, tokens: Sequence[str]) -
     known = old._tok.get_vocab()
     taken = [t for t in tokens if t in known]
     if taken:
-        raise SdxError(f"the token {taken[0]!r} is already in the tokenizer's vocabulary; name another (FILE:TOKEN)")
+        raise SdxError(f"the token {taken[0]!r} is already in the tokenizer's vocabulary; choose another word")
     flags = lambda t: {"content": str(t), "lstrip": t.lstrip, "normalized": t.normalized, "rstrip": t.rstrip,
                        "single_word": t.single_word, "special": t.special}
     decoder = {str(i): flags(t) for i, t in sorted(old.added_tokens().items())}

@@ -2,7 +2,7 @@
 
 The flags are diffusers' training-script flags with the same meaning and defaults
 (train_instruct_pix2pix(_sdxl).py, train_text_to_image(_sdxl).py, train_dreambooth(_lora).py,
-train_controlnet(_sdxl).py), accepted
+train_controlnet(_sdxl).py, textual_inversion(_sdxl).py), accepted
 with underscores and with dashes (`--train_batch_size` and `--train-batch-size`), so a diffusers command
 line runs after swapping `accelerate launch X.py` for `python -m train.X`. A diffusers flag sdx does not
 implement is an error naming it, never silently ignored. Differences, on purpose:
@@ -39,7 +39,7 @@ from train.data import INTERPOLATIONS
 from train.lr import SCHEDULES
 from train.objective import PREDICTION_TYPES
 
-TASKS = ("pix2pix", "text_to_image", "dreambooth", "controlnet", "vae")
+TASKS = ("pix2pix", "text_to_image", "dreambooth", "controlnet", "textual_inversion", "vae")
 LORA_TASKS = ("text_to_image", "dreambooth")
 EXPORT_FORMATS = ("sdx", "diffusers")
 
@@ -61,6 +61,10 @@ UNSUPPORTED = {
     "prior_generation_precision": "class images are sampled by the models as loaded for training; drop the flag",
     "pre_compute_text_embeddings": "frozen text encoders already run outside the step; drop the flag",
     "tokenizer_name": "the tokenizers are the model's own",
+    "save_steps": "the words are written once, as learned_embeds.safetensors at the end; --checkpointing_steps "
+                  "keeps resumable states",
+    "save_as_full_pipeline": "sdx writes learned_embeds.safetensors; give it to any model with --embedding",
+    "no_safe_serialization": "sdx writes safetensors only",
 }
 
 # diffusers flags (store_true) that change nothing sdx computes: accepted, ignored with a note.
@@ -112,6 +116,11 @@ class TrainConfig:
     num_class_images: int = 100
     sample_batch_size: int = 4
     repeats: int = 1
+    # textual inversion: new words for the text encoders, learned from a few images
+    placeholder_token: str | None = None
+    initializer_token: str | None = None
+    learnable_property: str = "object"
+    num_vectors: int = 1
     # ControlNet: start from this ControlNet (else a copy of the UNet's encoder half, diffusers' from_unet)
     controlnet_model_name_or_path: str | None = None
     # optimisation
@@ -196,6 +205,8 @@ _DEFAULTS = {
                    "num_train_epochs": 1, "learning_rate": 5e-6, "caption_column": None},
     "controlnet": {"resolution": 512, "output_dir": "controlnet-model", "train_batch_size": 4, "num_train_epochs": 1,
                    "learning_rate": 5e-6},
+    "textual_inversion": {"resolution": 512, "output_dir": "text-inversion-model", "max_train_steps": 5000,
+                          "repeats": 100, "image_interpolation_mode": "bicubic", "validation_steps": 100},
     "vae": {"resolution": 256, "output_dir": "vae-finetuned", "learning_rate": 4.5e-6},
 }
 # `python -m train.X_lora`'s defaults over X's (diffusers' train_text_to_image_lora.py, train_dreambooth_lora.py)
@@ -248,6 +259,14 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("prior_loss_weight", "weight of the class images' loss", type=float)
         opt("num_class_images", "class images used (sampled first when the folder holds fewer)", type=int)
         opt("sample_batch_size", "images per sampler call when sampling class images", type=int)
+    elif task == "textual_inversion":
+        opt("train_data_dir", "a folder of the images (every image file in it, no metadata)")
+        opt("placeholder_token", "the new word, e.g. '<cat-toy>' (not yet in the tokenizer)")
+        opt("initializer_token", "one existing word whose vector the new word's vectors start from, e.g. 'toy'")
+        opt("learnable_property", "what the word stands for: an object ('a photo of a <word>', ...) or a style "
+            "('a painting in the style of <word>', ...)", choices=("object", "style"))
+        opt("num_vectors", "vectors of the word (tokens <word>, <word>_1, ...)", type=int)
+        opt("repeats", "read each image this many times per epoch", type=int)
     else:
         opt("dataset_name", "parquet dataset: a hub dataset id, a local folder of .parquet files, or one file")
         opt("train_data_dir", "an image folder with metadata.jsonl (file_name plus the text column)")
@@ -255,7 +274,7 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("original_image_column", "the image before the edit")
         opt("edit_prompt_column", "the edit instruction")
         opt("edited_image_column", "the image after the edit")
-    elif task != "dreambooth":
+    elif task not in ("dreambooth", "textual_inversion"):
         opt("image_column", "the image column")
         if task in ("text_to_image", "controlnet"):
             opt("caption_column", "the caption column")
@@ -263,13 +282,16 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
             opt("conditioning_image_column", "the control image column (edges, depth, ...)")
             opt("controlnet_model_name_or_path", "start from this ControlNet (what `python -m sdx.sample "
                 "--controlnet` takes); default: a copy of the UNet's encoder half, zero convolutions zero")
-    if task != "dreambooth":
+    if task not in ("dreambooth", "textual_inversion"):
         opt("max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
     opt("resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
     opt("image_interpolation_mode", "the resize filter (torchvision's names; the SDXL scripts default to lanczos)",
         choices=tuple(INTERPOLATIONS))
     if task != "controlnet":  # diffusers' ControlNet scripts crop the center, unflipped: so does sdx
         _bool(p, "center_crop", "crop the center (default: a random crop)")
+    if task == "textual_inversion":  # it always flips, as diffusers' script does
+        p.set_defaults(random_flip=True)
+    elif task != "controlnet":
         _bool(p, "random_flip", "flip horizontally with probability 1/2")
     opt("dataloader_num_workers", "data loading worker processes (0: in the main process)", type=int)
     if task in ("pix2pix", "text_to_image"):
@@ -324,7 +346,7 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("input_perturbation", "input perturbation scale", type=float)
         if task == "pix2pix":
             opt("conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
-        else:
+        elif task != "textual_inversion":
             opt("proportion_empty_prompts", "replace this proportion of captions by the empty prompt", type=float)
         if task == "text_to_image":
             _bool(p, "dream_training", "DREAM: correct the noisy latents and target by the model's own prediction "
@@ -417,6 +439,12 @@ def check(c: TrainConfig) -> None:
         raise SdxError("--pretrained_model_name_or_path is required")
     if c.task == "dreambooth":
         _check_dreambooth(c)
+    elif c.task == "textual_inversion":
+        if not c.train_data_dir or not c.placeholder_token or not c.initializer_token:
+            raise SdxError("textual inversion needs --train_data_dir (the images), --placeholder_token (the new word) "
+                           "and --initializer_token (an existing word it starts from)")
+        if c.num_vectors < 1:
+            raise SdxError(f"--num_vectors must be at least 1, got {c.num_vectors}")
     elif bool(c.dataset_name) == bool(c.train_data_dir):
         raise SdxError("give exactly one of --dataset_name (parquet) and --train_data_dir (image folder)")
     positive = ("resolution", "train_batch_size", "num_train_epochs", "gradient_accumulation_steps",

@@ -61,18 +61,10 @@ class DiffusionTask:
         self.folder = models.resolve_folder(cfg, log)
         m = self.models = models.load(cfg, mesh, folder=self.folder, log=log, restoring=restoring)
         fam = m.family
-        trained = {"unet": m.unet} | ({e: m.encoders[e] for e in fam.encoders} if cfg.train_text_encoder else {})
-        self.module = nnx.Dict(trained) if cfg.train_text_encoder else m.unet
-        self.trainable = nnx.Param
-        if cfg.rank:
-            self.trainable = lora.LoRAParam
-            for j, (name, model) in enumerate(trained.items()):  # the UNet's stream LORA_STREAM, encoder j's + 1 + j
-                key = jax.random.fold_in(jax.random.key(cfg.seed), LORA_STREAM + j)
-                count = lora.attach(model, cfg.rank, cfg.lora_alpha or cfg.rank, key,
-                                    targets=lora.TARGETS if name == "unet" else lora.TEXT_TARGETS,
-                                    sharding=meshlib.replicated(mesh))
-                size = sum(x.size for x in jax.tree.leaves(nnx.state(model, lora.LoRAParam)))
-                log(f"{name}: LoRA adapters of rank {cfg.rank} on {count} attention projections ({size:,} parameters)")
+        text_in_step = models.text_in_step(cfg)
+        trained = {"unet": m.unet} | ({e: m.encoders[e] for e in fam.encoders} if text_in_step else {})
+        self.module = nnx.Dict(trained) if text_in_step else m.unet
+        self.trainable = self.adapt(trained)
         text_dtype = models.computes(cfg)["text"].dtype
         sched = schedulers.from_name("ddpm", m.scheduler_config)
         prediction_type = cfg.prediction_type or sched.prediction_type
@@ -80,7 +72,7 @@ class DiffusionTask:
             family=fam, scheduler=sched, vae=m.vae.config, prediction_type=prediction_type,
             snr_gamma=cfg.snr_gamma, noise_offset=cfg.noise_offset, input_perturbation=cfg.input_perturbation,
             text_drop=cfg.proportion_empty_prompts, conditioning_dropout=cfg.conditioning_dropout_prob or 0.0,
-            text_dtype=str(jnp.dtype(text_dtype)) if cfg.train_text_encoder else None,
+            text_dtype=str(jnp.dtype(text_dtype)) if text_in_step else None,
             prior_loss_weight=cfg.prior_loss_weight if cfg.with_prior_preservation else None,
             timestep_bias=None if cfg.timestep_bias_strategy == "none" else objective.TimestepBias(
                 cfg.timestep_bias_strategy, cfg.timestep_bias_multiplier, cfg.timestep_bias_begin,
@@ -99,15 +91,15 @@ class DiffusionTask:
                                         tokenize=tokenizer_fn(fam, m.tokenizers),
                                         interpolation=cfg.image_interpolation_mode)
         self.constants = null_conditioning(fam, m.encoders, m.tokenizers, text_dtype)  # the loss's `null`
-        if cfg.train_text_encoder and not fam.force_zeros:  # "" through the trained encoders, in the loss
+        if text_in_step and not fam.force_zeros:  # "" through the trained encoders, in the loss
             ids = textlib.tokenize(fam, m.tokenizers, [[""]] * len(fam.encoders), chunks=None)
             self.constants = {"ids": np.concatenate([ids[e][0] for e in fam.encoders])}  # (E, 77)
-        frozen = {} if cfg.train_text_encoder else m.encoders
+        frozen = {} if text_in_step else m.encoders
         graphdef, self._frozen = nnx.split(nnx.Dict({"vae": m.vae, **frozen}))
 
         def encode(frozen, batch):
             mods = nnx.merge(graphdef, frozen)
-            encoders = None if cfg.train_text_encoder else {e: mods[e] for e in fam.encoders}
+            encoders = None if text_in_step else {e: mods[e] for e in fam.encoders}
             out = denoise.encode_batch(fam, mods["vae"], encoders, batch, text_dtype)
             # the step takes its batch split over every device; an fsdp-split encoder weight (SDXL's text
             # projection) would otherwise leave its output split over fsdp in its feature axis
@@ -116,6 +108,22 @@ class DiffusionTask:
         self._encode = jax.jit(encode)
         self.cache: cachelib.LatentCache | None = None
         self._pipeline: Pipeline | None = None  # `pipeline`'s, kept
+
+    def adapt(self, trained: dict[str, nnx.Module]) -> type[nnx.Variable]:
+        """Make what trains, and return its variable type: with `--rank`, LoRA adapters on the trained
+        models (the UNet's drawn from stream LORA_STREAM of --seed, encoder j's from LORA_STREAM + 1 + j);
+        else the models' own parameters."""
+        cfg = self.cfg
+        if not cfg.rank:
+            return nnx.Param
+        for j, (name, model) in enumerate(trained.items()):
+            key = jax.random.fold_in(jax.random.key(cfg.seed), LORA_STREAM + j)
+            count = lora.attach(model, cfg.rank, cfg.lora_alpha or cfg.rank, key,
+                                targets=lora.TARGETS if name == "unet" else lora.TEXT_TARGETS,
+                                sharding=meshlib.replicated(self.mesh))
+            size = sum(x.size for x in jax.tree.leaves(nnx.state(model, lora.LoRAParam)))
+            self.log(f"{name}: LoRA adapters of rank {cfg.rank} on {count} attention projections ({size:,} parameters)")
+        return lora.LoRAParam
 
     # ---- what the loop calls
 
@@ -131,7 +139,7 @@ class DiffusionTask:
                "text_column": source.columns.text, "max_train_samples": cfg.max_train_samples, "seed": cfg.seed,
                "model": identity(self.folder), "resolution": cfg.resolution, "center_crop": cfg.center_crop,
                "random_flip": cfg.random_flip, "interpolation": cfg.image_interpolation_mode, "text_dtype": str(jnp.dtype(models.computes(cfg)["text"].dtype)),
-               "family": repr(self.models.family), "text_ids": cfg.train_text_encoder}
+               "family": repr(self.models.family), "text_ids": models.text_in_step(cfg)}
         encode = lambda host: self._encode(self._frozen, meshlib.put_batch(self.mesh, self.host_arrays(host)))
         self.cache = cachelib.LatentCache.open_or_build(
             out / "cache" / f"process-{jax.process_index()}", source, self.transform, encode=encode,

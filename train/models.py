@@ -65,8 +65,14 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
 
 
 def unet_frozen(cfg: TrainConfig) -> bool:
-    """Whether the UNet's own weights stay as they are: LoRA trains adapters, ControlNet a ControlNet."""
-    return bool(cfg.rank) or cfg.task == "controlnet"
+    """Whether the UNet's own weights stay as they are: LoRA trains adapters, ControlNet a ControlNet,
+    textual inversion new words."""
+    return bool(cfg.rank) or cfg.task in ("controlnet", "textual_inversion")
+
+
+def text_in_step(cfg: TrainConfig) -> bool:
+    """Whether the text encoders run inside the step, on token ids: their LoRA adapters or new words train."""
+    return cfg.train_text_encoder or cfg.task == "textual_inversion"
 
 
 def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
@@ -83,7 +89,7 @@ def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
         "unet": Compute(dtype=dtype, param_dtype=dtype if unet_frozen(cfg) else jnp.float32,
                         remat=cfg.gradient_checkpointing, **run(dtype)),
         "vae": Compute(dtype=jnp.float32, param_dtype=jnp.float32, **run(jnp.float32)),
-        "text": Compute(dtype=dtype, param_dtype=dtype, remat=cfg.gradient_checkpointing and cfg.train_text_encoder,
+        "text": Compute(dtype=dtype, param_dtype=dtype, remat=cfg.gradient_checkpointing and text_in_step(cfg),
                         **run(dtype)),
     }
 
