@@ -27,10 +27,10 @@ SLOW_FILES = (
     "tests/test_sampler.py",  # ~195
     "tests/test_train_e2e.py",  # ~185
     "tests/test_unet.py",  # ~150
+    "tests/test_train_mesh.py",  # ~150
     "tests/test_train_cli.py",  # ~115
     "tests/test_train_textual_inversion.py",  # ~100
     "tests/test_default_models.py",  # ~105
-    "tests/test_train_mesh.py",  # ~90
     "tests/test_pipelines.py",  # ~90
     "tests/test_train_step.py",  # ~85
     "tests/test_train_lora.py",  # ~70

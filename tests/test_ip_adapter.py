@@ -19,17 +19,10 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from tests.test_controlnet import _one_torch_thread  # noqa: E402, F401 (autouse: one torch thread here too)
 from tests.test_unet import CASES, _inputs, _sdx_unet, _torch_unet  # noqa: E402
 
 EMBED = 12  # the image encoder's width the test adapters read
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _cross_attention_widths(model) -> list[int]:

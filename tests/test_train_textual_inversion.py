@@ -145,3 +145,27 @@ def test_words_train_resume_exactly_and_load_in_sdx_and_diffusers(tmp_path, demo
         assert pipe.tokenizers["tokenizer"]([PROMPT])[0][:len(ids)].tolist() == ids
         table = ref.text_encoder.get_input_embeddings().weight.detach().numpy()
         np.testing.assert_array_equal(table[-2:], arrays["<shape>"])
+
+
+def test_bad_words_and_data_fail_before_training(tmp_path, demo_models, capsys):
+    from sdx.errors import run_command
+
+    model = demo_models("tiny")
+    data = tmp_path / "images"
+    data.mkdir()
+    Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(data / "0.png")
+    out = tmp_path / "out"
+
+    def fails(*flags) -> str:
+        argv = ["--pretrained_model_name_or_path", str(model), "--train_data_dir", str(data), "--output_dir", str(out),
+                "--placeholder_token", "<w>", "--initializer_token", "toy", "--max_train_steps", "1", *flags]
+        assert run_command(lambda: textual_inversion.train(argv)) == 2
+        assert not (out / "checkpoints").exists()
+        return capsys.readouterr().err
+
+    assert "'two words' is 2 tokens" in fails("--initializer_token", "two words")
+    assert "already in the tokenizer's vocabulary" in fails("--placeholder_token", "circle")
+    (tmp_path / "empty").mkdir()
+    assert "holds no image files" in fails("--train_data_dir", str(tmp_path / "empty"))
+    assert "--num_vectors must be at least 1" in fails("--num_vectors", "0")
+    assert "--save_as_full_pipeline (a diffusers flag) is not supported" in fails("--save_as_full_pipeline")

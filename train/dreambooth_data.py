@@ -76,14 +76,8 @@ def open_data(cfg: TrainConfig) -> DreamBoothData:
         instance = sources.open_source(cfg.dataset_name, columns, max_samples=None, seed=cfg.seed,
                                        cache_dir=cfg.cache_dir)
     else:
-        root = Path(cfg.instance_data_dir)
-        if not root.is_dir():
-            raise SdxError(f"--instance_data_dir {root} is not a folder")
-        if not sources.image_files(root):
-            raise SdxError(f"--instance_data_dir {root} holds no image files ({', '.join(sources.IMAGE_EXTENSIONS)})")
-        instance = sources.FolderSource(root, sources.Columns.images_only(), name=f"--instance_data_dir {root}")
-    if cfg.repeats > 1:
-        instance = sources.Subset(instance, np.tile(np.arange(len(instance)), cfg.repeats))
+        instance = sources.image_folder(cfg.instance_data_dir, "--instance_data_dir")
+    instance = sources.repeated(instance, cfg.repeats)
     class_dir = None
     if cfg.with_prior_preservation:
         class_dir = Path(cfg.class_data_dir)

@@ -420,6 +420,22 @@ def image_files(folder: Path) -> list[Path]:
     return [p for p in sorted(folder.rglob("*")) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file()]
 
 
+def image_folder(root: str | os.PathLike, flag: str, repeats: int = 1) -> Source:
+    """Every image file of the folder `root` (no metadata), each read `repeats` times per epoch; an SdxError
+    naming `flag` when `root` is no folder or holds no image."""
+    root = Path(root)
+    if not root.is_dir():
+        raise SdxError(f"{flag} {root} is not a folder")
+    if not image_files(root):
+        raise SdxError(f"{flag} {root} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+    return repeated(FolderSource(root, Columns.images_only(), name=f"{flag} {root}"), repeats)
+
+
+def repeated(source: Source, repeats: int) -> Source:
+    """`source` with every row read `repeats` times per epoch (in turn: rows 0..n-1, then again)."""
+    return source if repeats == 1 else Subset(source, np.tile(np.arange(len(source)), repeats))
+
+
 def _read_metadata(path: Path, root: Path):
     """(line number, record) for each row of a metadata.jsonl / metadata.csv."""
     label = path.relative_to(root).as_posix()

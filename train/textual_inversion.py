@@ -29,7 +29,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from pipelines.family import TOKENIZER_OF
@@ -127,14 +126,7 @@ class Captioned(sources.Source):
 
 def open_data(cfg: TrainConfig) -> Captioned:
     """Every image file of --train_data_dir, read --repeats times, with the templates' captions of the word."""
-    root = Path(cfg.train_data_dir)
-    if not root.is_dir():
-        raise SdxError(f"--train_data_dir {root} is not a folder")
-    if not sources.image_files(root):
-        raise SdxError(f"--train_data_dir {root} holds no image files ({', '.join(sources.IMAGE_EXTENSIONS)})")
-    images = sources.FolderSource(root, sources.Columns.images_only(), name=f"--train_data_dir {root}")
-    if cfg.repeats > 1:
-        images = sources.Subset(images, np.tile(np.arange(len(images)), cfg.repeats))
+    images = sources.image_folder(cfg.train_data_dir, "--train_data_dir", cfg.repeats)
     return Captioned(images, tuple(t.format(cfg.placeholder_token) for t in TEMPLATES[cfg.learnable_property]))
 
 
