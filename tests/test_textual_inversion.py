@@ -121,3 +121,24 @@ def test_files_and_options(tiny, tmp_path, capsys):
         safetensors_torch.save_file(tensors, str(tmp_path / f"{name}.safetensors"))
         assert main(base + ["--embedding", str(tmp_path / f"{name}.safetensors")]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_hub_embedding_fetches_its_file_alone(tmp_path, monkeypatch):
+    from convert import hub
+    from convert.sources import resolve_embedding
+    from tests.test_convert import FakeHub
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("learned_embeds.safetensors", "learned_embeds.bin", "README.md"):
+        (repo / name).write_text("x")
+    fake = FakeHub("org/words", repo, tmp_path / "cache")
+    monkeypatch.setattr(hub, "_offline", lambda: False)
+    for name in ("list_repo_files", "snapshot_download"):
+        monkeypatch.setattr(hub, name, getattr(fake, name))
+    assert resolve_embedding("org/words/learned_embeds.safetensors").is_file()
+    assert fake.downloaded == {"learned_embeds.safetensors"}
+    with pytest.raises(SdxError, match="has no file other.safetensors"):
+        resolve_embedding("org/words/other.safetensors")
+    with pytest.raises(SdxError, match="name the file in the repo"):
+        resolve_embedding("org/words")
