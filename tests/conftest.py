@@ -42,7 +42,7 @@ SLOW_FILES = (
     "tests/test_dreambooth.py",  # ~55
     "tests/test_textual_inversion.py",  # ~50
     "tests/test_train_controlnet.py",  # ~45
-    "tests/test_randomness.py",  # ~80
+    "tests/test_randomness.py",  # ~55
     "tests/test_ip_adapter.py",  # ~40
     "tests/test_fuzz_readers.py",  # ~45
     "tests/test_vae.py",  # ~40

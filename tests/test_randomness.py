@@ -5,7 +5,7 @@ The cases compare the final latents (`output_latents`): every draw is made befor
 is deterministic per image (its own tests), so the VAE's decode programs are not compiled here.
 
 The cases run on the embedded `tiny` demo model (random weights); InstructPix2Pix on the same model with
-its UNet widened to 8 input channels; an image prompt with a random plain IP-Adapter made for it (`adapter`).
+its UNet widened to 8 input channels.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pipelines.image_prompt import ImagePrompt
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
 from sdx import mesh as meshlib
@@ -46,39 +45,7 @@ CASES = {
     "ddim_eta_1": ("ddim", {}),
     "img2img": ("euler", {"image": "image", "strength": 0.7}),  # a deterministic sampler: the posterior sample alone
     "pix2pix": ("euler_a", {"image": "image"}),
-    "ip_adapter": ("euler_a", {"image_prompt": "image_prompt"}),  # the image tokens are split over the batch too
 }
-EMBED = 8  # the test adapter's image embedding width
-
-
-def adapter(folder: Path) -> Path:
-    """A random plain IP-Adapter for the demo model in `folder`, with a tiny CLIP image encoder beside it
-    (made by transformers), written once next to the folder."""
-    import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    from sdx import ip_adapter
-
-    path = folder.parent / "ip-adapter" / "ip-adapter.safetensors"
-    if path.exists():
-        return path
-    unet = Pipeline.load(folder, mesh=meshlib.make_mesh(devices=jax.devices()[:1])).sampler.models["unet"]
-    attentions = ip_adapter.cross_attentions(unet)
-    width = attentions[0][1].to_k.in_features
-    g = torch.Generator().manual_seed(0)
-    tensors = {"image_proj.proj.weight": torch.randn(4 * width, EMBED, generator=g), "image_proj.proj.bias": torch.zeros(4 * width),
-               "image_proj.norm.weight": torch.ones(width), "image_proj.norm.bias": torch.zeros(width)}
-    for i, (_, m) in enumerate(attentions):
-        for name in ("to_k_ip", "to_v_ip"):
-            tensors[f"ip_adapter.{2 * i + 1}.{name}.weight"] = torch.randn(m.heads * m.head_dim, width, generator=g)
-    torch.manual_seed(0)
-    encoder = transformers.CLIPVisionModelWithProjection(transformers.CLIPVisionConfig(
-        hidden_size=16, projection_dim=EMBED, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-        image_size=16, patch_size=8))
-    encoder.save_pretrained(path.parent / "image_encoder")
-    save_file(tensors, str(path))
-    return path
 
 
 def pipelines(folder: Path, mesh) -> dict[str, Pipeline]:
@@ -86,8 +53,7 @@ def pipelines(folder: Path, mesh) -> dict[str, Pipeline]:
     demo's: no random initialisation to compile)."""
     out = {}
     for case, (scheduler, _) in CASES.items():
-        ip = str(folder.parent / "ip-adapter" / "ip-adapter.safetensors") if case == "ip_adapter" else None
-        pipe = Pipeline.load(folder, scheduler=scheduler, mesh=mesh, ip_adapter=ip)
+        pipe = Pipeline.load(folder, scheduler=scheduler, mesh=mesh)
         if case == "ddim_eta_1":
             pipe = dataclasses.replace(pipe, scheduler=dataclasses.replace(pipe.scheduler, eta=1.0))
         if case == "pix2pix":  # the demo UNet, its conv_in widened to 8 input channels (the image's: half its kernel)
@@ -110,8 +76,7 @@ def image_one(pipes: dict[str, Pipeline], batch_size: int) -> dict[str, np.ndarr
     for case, (_, extra) in CASES.items():
         fields = dict(prompts=["a red fox", "a blue boat"], num_images_per_prompt=2, height=32, width=32, steps=3,
                       seed=7, guidance_scale=5.0, batch_size=batch_size, output_latents=True)
-        made = {"image": _image(), "image_prompt": ImagePrompt(_image()[:, :16, :16], scale=0.8)}
-        fields.update({k: made.get(v, v) if isinstance(v, str) else v for k, v in extra.items()})
+        fields.update({k: _image() if v == "image" else v for k, v in extra.items()})
         request = Request(**fields)
         out[case] = pipes[case](request)[1]
     return out
@@ -119,9 +84,7 @@ def image_one(pipes: dict[str, Pipeline], batch_size: int) -> dict[str, np.ndarr
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, demo_build) -> Path:
-    built = demo_build("tiny", tmp_path_factory.mktemp("demo"))
-    adapter(built)
-    return built
+    return demo_build("tiny", tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture(scope="module")
