@@ -10,7 +10,8 @@ models (`default`, `default-edit`: trained by sdx on its shapes world; without -
 tests). The pipeline type comes from the model;
 --image makes it img2img (or InstructPix2Pix for such a model), --image with --mask inpainting (an
 inpainting model's own 9-channel way, or by blending with any other SD/SDXL model); --controlnet with
---control-image guides any of text-to-image, img2img and inpainting with ControlNets, --ip-adapter with
+--control-image guides any of text-to-image, img2img and inpainting with ControlNets (--t2i-adapter with
+--t2i-adapter-image with T2I-Adapters), --ip-adapter with
 --ip-adapter-image adds an image to the prompt (IP-Adapter). Bad input ends with
 one `error:` line and exit status 2.
 
@@ -119,6 +120,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--guess-mode", action="store_true",
                    help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
                         "blocks and, with guidance, on the text branch only")
+    p.add_argument("--t2i-adapter", metavar="MODEL", action="append", default=[],
+                   help="a T2I-Adapter (diffusers folder or hub id, e.g. TencentARC/t2iadapter_sketch_sd14v1) to guide "
+                        "the model with; repeatable, each with its --t2i-adapter-image")
+    p.add_argument("--t2i-adapter-image", metavar="FILE", action="append", default=[],
+                   help="the map a --t2i-adapter reads (sketch, depth, pose, ...), in the same order; resized to the "
+                        "generation size")
+    p.add_argument("--t2i-adapter-scale", metavar="S", type=float, nargs="+",
+                   help="weight of each adapter's features: one, or one per --t2i-adapter (default 1.0)")
+    p.add_argument("--t2i-adapter-factor", metavar="F", type=float, default=1.0,
+                   help="share of the steps, from the first, that the T2I-Adapters act in (default 1.0)")
     p.add_argument("--ip-adapter", metavar="FILE",
                    help="an IP-Adapter .safetensors file (plain or plus, e.g. h94/IP-Adapter's "
                         "models/ip-adapter_sd15.safetensors) that lets --ip-adapter-image prompt the model")
@@ -240,20 +251,21 @@ def output_paths(output: str, count: int, seed: int, overwrite: bool) -> list[Pa
     return paths
 
 
-def read_control_image(path: str) -> PIL.Image.Image:
+def read_picture(path: str, flag: str) -> PIL.Image.Image:
+    """The picture at `path`, or an SdxError naming `flag`."""
     try:
         return images.decode(path)
     except images.UnreadableImage as e:
-        raise SdxError(f"--control-image {path}: cannot read the image ({e})") from None
+        raise SdxError(f"{flag} {path}: cannot read the image ({e})") from None
 
 
-def per_controlnet(values: list[float] | None, n: int, flag: str) -> list[float] | None:
-    """A flag's values given once or once per --controlnet, as one per ControlNet (None stays None)."""
+def per_model(values: list[float] | None, n: int, flag: str, models: str = "--controlnet") -> list[float] | None:
+    """A flag's values given once or once per model of the `models` flag, as one per model (None stays None)."""
     if values is None or len(values) == n:
         return values
     if len(values) == 1:
         return values * n
-    raise SdxError(f"{flag}: give one value or one per --controlnet ({n}), not {len(values)}")
+    raise SdxError(f"{flag}: give one value or one per {models} ({n}), not {len(values)}")
 
 
 def check_control_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
@@ -269,12 +281,38 @@ def check_control_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
         raise SdxError("--controlnet and --refiner do not go together: a ControlNet guides one model")
     from pipelines.control import check_window
 
-    starts = per_controlnet(args.control_guidance_start, n, "--control-guidance-start")
-    ends = per_controlnet(args.control_guidance_end, n, "--control-guidance-end")
-    per_controlnet(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale")
+    starts = per_model(args.control_guidance_start, n, "--control-guidance-start")
+    ends = per_model(args.control_guidance_end, n, "--control-guidance-end")
+    per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale")
     for start, end in zip(starts, ends):
         check_window(start, end)
-    return [read_control_image(path) for path in args.control_image]
+    return [read_picture(path, "--control-image") for path in args.control_image]
+
+
+def check_t2i_adapter_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
+    """Refuse bad T2I-Adapter flags (and a local adapter folder without a readable config); returns the
+    --t2i-adapter-image pictures, as read here."""
+    n = len(args.t2i_adapter)
+    if len(args.t2i_adapter_image) != n:
+        raise SdxError(f"give one --t2i-adapter-image per --t2i-adapter ({n}), not {len(args.t2i_adapter_image)}")
+    if not n:
+        if args.t2i_adapter_scale or args.t2i_adapter_factor != 1.0:
+            raise SdxError("--t2i-adapter-scale and --t2i-adapter-factor act on T2I-Adapters: pass --t2i-adapter")
+        return []
+    if args.refiner:
+        raise SdxError("--t2i-adapter and --refiner do not go together: an adapter guides one model")
+    if not 0.0 <= args.t2i_adapter_factor <= 1.0:
+        raise SdxError(f"--t2i-adapter-factor {args.t2i_adapter_factor}: the share of the steps the adapters act in, "
+                       "from 0 to 1")
+    for scale in per_model(args.t2i_adapter_scale, n, "--t2i-adapter-scale", "--t2i-adapter") or []:
+        if not math.isfinite(scale):
+            raise SdxError(f"--t2i-adapter-scale {scale} must be a finite number")
+    from convert.t2i_adapter import read_config
+
+    for spec in args.t2i_adapter:
+        if Path(spec).is_dir():
+            read_config(Path(spec), f"--t2i-adapter {spec}")
+    return [read_picture(path, "--t2i-adapter-image") for path in args.t2i_adapter_image]
 
 
 def check_ip_adapter_flags(args: argparse.Namespace) -> PIL.Image.Image | None:
@@ -305,7 +343,8 @@ def check_ip_adapter_flags(args: argparse.Namespace) -> PIL.Image.Image | None:
 
 def check_flags(args: argparse.Namespace) -> tuple:
     """Refuse bad values of the flags that say what to generate; returns the --latents array, the --image
-    and --mask pictures, the --control-image pictures and the --ip-adapter-image picture, as read here."""
+    and --mask pictures, the --control-image and --t2i-adapter-image pictures and the --ip-adapter-image picture,
+    as read here."""
     from pipelines.masks import read_mask
 
     for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
@@ -333,7 +372,7 @@ def check_flags(args: argparse.Namespace) -> tuple:
     if args.config and not Path(args.config).is_dir():
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
-    return latents, picture, mask, check_control_flags(args), check_ip_adapter_flags(args)
+    return latents, picture, mask, check_control_flags(args), check_t2i_adapter_flags(args), check_ip_adapter_flags(args)
 
 
 @dataclasses.dataclass
@@ -348,6 +387,7 @@ class Job:
     picture: PIL.Image.Image | None = None
     mask: PIL.Image.Image | None = None
     controls: list[PIL.Image.Image] = dataclasses.field(default_factory=list)
+    adapters: list[PIL.Image.Image] = dataclasses.field(default_factory=list)
     ip_picture: PIL.Image.Image | None = None
     done: bool = False
 
@@ -361,13 +401,13 @@ def check_args(args: argparse.Namespace) -> list[Job]:
         return _prompts_file_jobs(args)
     if not args.prompt:
         raise SdxError("give --prompt (one or more prompts) or --prompts-file FILE")
-    latents, picture, mask, controls, ip_picture = check_flags(args)
+    latents, picture, mask, controls, adapters, ip_picture = check_flags(args)
     paths = output_paths(args.output, len(args.prompt) * args.num_images, args.seed, args.overwrite)
     grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
     io.check_writable(paths[0].parent, "--output")
     if grid_path is not None:
         io.check_writable(grid_path.parent, "--grid")
-    return [Job(args, paths, grid_path, latents, picture, mask, controls, ip_picture)]
+    return [Job(args, paths, grid_path, latents, picture, mask, controls, adapters, ip_picture)]
 
 
 def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
@@ -431,8 +471,9 @@ def run(args: argparse.Namespace) -> list[Path]:
     mesh = meshlib.make_mesh(args.fsdp)
     options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
                                      embedding=args.embedding)
-    # inpainting and ControlNet img2img take the text-to-image model
-    edits = any(job.args.image and not job.args.mask and not job.args.controlnet for job in jobs)
+    # inpainting and ControlNet or T2I-Adapter img2img take the text-to-image model
+    edits = any(job.args.image and not job.args.mask and not job.args.controlnet and not job.args.t2i_adapter
+                for job in jobs)
     args.model = args.model or ("default-edit" if edits else "default")
     # the first request's programs are read while the weights load (a refiner's run is two other requests)
     first = None if args.refiner else lambda pipe: _request(todo[0], pipe)[0]
@@ -509,8 +550,8 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=
     if args.ip_adapter:
         ip_adapter, encoder = resolve_ip_adapter(args.ip_adapter, args.ip_adapter_image_encoder, cache_dir=cache / "models",
                                                  log=log)
-    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), ip_adapter=ip_adapter, image_encoder=encoder,
-                cache_dir=cache / "models", log=log, first=first)
+    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), t2i_adapters=tuple(args.t2i_adapter),
+                ip_adapter=ip_adapter, image_encoder=encoder, cache_dir=cache / "models", log=log, first=first)
     if not args.refiner:
         return [pipe]
     if not pipe.family.xl or pipe.family.pix2pix:
@@ -525,11 +566,13 @@ def _request(job: Job, pipe):
     from pipelines import image_prompt
     from pipelines.masks import Crop, fit_mask, read_mask
     from pipelines.request import Request
+    from pipelines.t2i_adapter import AdapterImage, fit_image as fit_adapter_image
 
     a = job.args
     picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
     mask_picture = job.mask if job.mask is not None or not a.mask else read_mask(a.mask)
-    control_pictures = job.controls or [read_control_image(path) for path in a.control_image]
+    control_pictures = job.controls or [read_picture(path, "--control-image") for path in a.control_image]
+    adapter_pictures = job.adapters or [read_picture(path, "--t2i-adapter-image") for path in a.t2i_adapter_image]
     ip_picture = job.ip_picture if job.ip_picture is not None or not a.ip_adapter_image else check_ip_adapter_flags(a)
     size = (a.height, a.width) if a.height and a.width else None
     blur, crop = a.mask_blur, None
@@ -538,15 +581,20 @@ def _request(job: Job, pipe):
         crop = Crop.around(picture, mask_picture, blur, size, a.padding_mask_crop)
         picture, mask_picture, blur = crop.cut(picture, size), crop.cut(crop.mask, size), 0.0
         control_pictures = [crop.cut(p, size) for p in control_pictures]
+        adapter_pictures = [crop.cut(p, size) for p in adapter_pictures]
     image = fit_image(picture, a.image, size, pipe.multiple) if picture is not None else None
     mask = fit_mask(mask_picture, image.shape[1:3], blur) if mask_picture is not None else None
     if image is not None:
         height, width = image.shape[1:3]
-    else:  # text-to-image: the flags, else the first control image's size (as diffusers), else the model's
-        first = control_pictures[0] if control_pictures else None
-        height = a.height or (first.height // pipe.multiple * pipe.multiple if first else pipe.default_size)
-        width = a.width or (first.width // pipe.multiple * pipe.multiple if first else pipe.default_size)
+    else:  # text-to-image: the flags, else the first control or adapter image's size (as diffusers), else the model's
+        first = (control_pictures or adapter_pictures or [None])[0]
+        step = max([pipe.multiple, *(adapter.config.downscale_factor for adapter in pipe.t2i_adapters)])
+        height = a.height or (first.height // step * step if first else pipe.default_size)
+        width = a.width or (first.width // step * step if first else pipe.default_size)
     controls = _controls(a, pipe, control_pictures, (height, width), image is not None, mask is not None)
+    scales = per_model(a.t2i_adapter_scale, len(adapter_pictures), "--t2i-adapter-scale", "--t2i-adapter")
+    adapters = [AdapterImage(fit_adapter_image(p, (height, width), adapter.config.in_channels), scale)
+                for p, adapter, scale in zip(adapter_pictures, pipe.t2i_adapters, scales or [1.0] * len(adapter_pictures))]
     xl = pipe.family.xl
     # diffusers' defaults; an SDXL ControlNet img2img pipeline's is 0.8, not 0.3
     default_strength = (0.9999 if xl else 1.0) if mask is not None else (0.3 if xl and not controls else 0.8)
@@ -561,7 +609,7 @@ def _request(job: Job, pipe):
         original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
         aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
         clip_skip=a.clip_skip, long_prompt=a.long_prompt, controls=controls, guess_mode=a.guess_mode,
-        vae_tiling=a.vae_tiling, image_prompt=None if ip_picture is None else
+        vae_tiling=a.vae_tiling, adapters=adapters, adapter_factor=a.t2i_adapter_factor, image_prompt=None if ip_picture is None else
         image_prompt.ImagePrompt(image_prompt.prepare([ip_picture], pipe.image_encoder), a.ip_adapter_scale),
     )
     pipe.validate(request)
@@ -577,9 +625,9 @@ def _controls(a: argparse.Namespace, pipe, pictures: list, size: tuple[int, int]
     if not n:
         return []
     default = (1.0 if pipe.family.xl else 0.5) if mask else 0.8 if image else 1.0
-    scales = per_controlnet(a.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale") or [default] * n
-    starts = per_controlnet(a.control_guidance_start, n, "--control-guidance-start")
-    ends = per_controlnet(a.control_guidance_end, n, "--control-guidance-end")
+    scales = per_model(a.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale") or [default] * n
+    starts = per_model(a.control_guidance_start, n, "--control-guidance-start")
+    ends = per_model(a.control_guidance_end, n, "--control-guidance-end")
     channels = [net.config.conditioning_channels for net in pipe.controlnets]
     return [Control(fit_control_image(p, size, c), scale, start, end)
             for p, c, scale, start, end in zip(pictures, channels, scales, starts, ends)]
@@ -619,8 +667,8 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
         if a.vae_tiling:
             params["vae_tiling"] = True
         for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
-                    "lora", "vae", "embedding", "controlnet", "control_image", "guess_mode", "padding_mask_crop", "ip_adapter",
-                    "ip_adapter_image"):
+                    "lora", "vae", "embedding", "controlnet", "control_image", "guess_mode", "padding_mask_crop", "t2i_adapter",
+                    "t2i_adapter_image", "ip_adapter", "ip_adapter_image"):
             if getattr(a, key, None):
                 params[key] = getattr(a, key)
         if a.image and pipe.family.pix2pix:
@@ -629,6 +677,9 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
             params["strength"] = request.strength
         if request.controls:
             params["controlnet_conditioning_scale"] = [c.scale for c in request.controls]
+        if request.adapters:
+            params["t2i_adapter_scale"] = [adapter.scale for adapter in request.adapters]
+            params["t2i_adapter_factor"] = request.adapter_factor
         if request.image_prompt is not None:
             params["ip_adapter_scale"] = request.image_prompt.scale
         save_png(path, pixels[i], params)

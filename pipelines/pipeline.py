@@ -4,9 +4,10 @@
     images = pipe(Request(prompts=["a lighthouse"], height=1024, width=1024))  # (N, H, W, 3) in [0, 1]
 
 The pipeline type (SD, SDXL, refiner, InstructPix2Pix, inpainting) comes from the model itself;
-`controlnets` adds ControlNets that guide it (`pipelines.control`), `ip_adapter` an IP-Adapter that reads an
-image prompt (`pipelines.image_prompt`). `refine` runs the SDXL base up to
-`high_noise_frac` and hands its latents to a refiner, as diffusers' ensemble of expert denoisers does.
+`controlnets` adds ControlNets that guide it (`pipelines.control`), `t2i_adapters` T2I-Adapters
+(`pipelines.t2i_adapter`), `ip_adapter` an IP-Adapter that reads an image prompt (`pipelines.image_prompt`).
+`refine` runs the SDXL base up to `high_noise_frac` and hands its latents to a refiner, as diffusers'
+ensemble of expert denoisers does.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import control, executables, image_prompt
+from pipelines import control, executables, image_prompt, t2i_adapter
 from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
 from pipelines.sampler import Sampler, controlnet_name, working_bytes
@@ -51,6 +52,7 @@ class Pipeline:
     default_size: int  # pixels: the UNet's sample_size times the VAE factor (what the model was trained at)
     name: str  # what was loaded, for the PNG metadata
     controlnets: tuple = ()  # sdx.controlnet.ControlNetModel, in the order requests give their `controls`
+    t2i_adapters: tuple = ()  # sdx.t2i_adapter.T2IAdapter, in the order requests give their `adapters`
 
     @classmethod
     def load(
@@ -65,6 +67,7 @@ class Pipeline:
         fsdp: int = 1,
         name: str | None = None,
         controlnets: tuple[str, ...] = (),
+        t2i_adapters: tuple[str, ...] = (),
         ip_adapter: str | None = None,
         image_encoder: str | None = None,
         cache_dir: str | os.PathLike | None = None,
@@ -76,14 +79,16 @@ class Pipeline:
         dtype: the text encoders', UNet's and ControlNets' parameters and activations; vae_dtype: the VAE's
         (float32 by default: the SDXL VAE overflows in float16). scheduler: a `--scheduler` name, or None
         for the model's own scheduler_config.json. controlnets: ControlNets (`convert.controlnet.load_controlnet`
-        sources: folders, hub ids, single files), downloaded to `cache_dir`. ip_adapter: an IP-Adapter
+        sources: folders, hub ids, single files), downloaded to `cache_dir`; t2i_adapters: T2I-Adapters
+        (`convert.t2i_adapter.load_t2i_adapter` sources: folders, hub ids), likewise. ip_adapter: an IP-Adapter
         .safetensors file, with its CLIP image encoder's folder `image_encoder` (default: `image_encoder`
         beside the file; `pipelines.image_prompt.load`). first: makes the request the
         pipeline will serve first, from a pipeline over the abstract models (shapes only, no weights; its
         errors are raised before any weight is read); its stored programs are read while the weights load
-        (without ControlNets or an IP-Adapter).
+        (without ControlNets, T2I-Adapters or an IP-Adapter).
         """
         from convert.controlnet import load_controlnet
+        from convert.t2i_adapter import load_t2i_adapter
 
         mesh = mesh or meshlib.make_mesh(fsdp)
         spec = model_folder.read_spec(folder)
@@ -100,7 +105,7 @@ class Pipeline:
         abstract = {n: model_folder.abstract_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n],
                                                        spec=spec, abstract=executables.abstract_model)
                     for n in ("unet", "vae", *family.encoders)}
-        if first is not None and not controlnets and ip_adapter is None:
+        if first is not None and not controlnets and not t2i_adapters and ip_adapter is None:
             placed = {n: weights.placed_abstract(m, dtype=computes[n].param_dtype, sharding=rule)
                       for n, m in abstract.items()}
             shell = cls.from_models(placed, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
@@ -117,20 +122,28 @@ class Pipeline:
                                   abstract=executables.abstract_model)
             control.check_compatible(net, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
             nets.append(net)
+        adapters = []
+        for src in t2i_adapters:
+            adapter = load_t2i_adapter(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache_dir,
+                                       log=log)
+            t2i_adapter.check_compatible(adapter, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
+            adapters.append(adapter)
+        t2i_adapter.check_together([a.config for a in adapters], t2i_adapters)
         if ip_adapter is not None:
             loaded |= image_prompt.load(ip_adapter, image_encoder, loaded["unet"], dtype=dtype, compute=computes["unet"],
                                         sharding=rule)
         return cls.from_models(loaded, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
-                               name=name or str(folder), controlnets=tuple(nets))
+                               name=name or str(folder), controlnets=tuple(nets), t2i_adapters=tuple(adapters))
 
     @classmethod
     def from_models(cls, models: dict, *, family: Family, scheduler: schedulers.Scheduler, tokenizers: dict, mesh,
-                    name: str, controlnets: tuple = ()) -> Pipeline:
+                    name: str, controlnets: tuple = (), t2i_adapters: tuple = ()) -> Pipeline:
         """A pipeline over models already built and placed on `mesh`, {"unet", "vae", encoders...}, and
-        ControlNets: what training validates with. Each model runs in the compute dtype it carries
-        (`model.compute`)."""
+        ControlNets and T2I-Adapters: what training validates with. Each model runs in the compute dtype it
+        carries (`model.compute`)."""
         factor = models["vae"].config.downsample_factor
         nets = {controlnet_name(k): net for k, net in enumerate(controlnets)}
+        nets |= {t2i_adapter.adapter_name(k): a for k, a in enumerate(t2i_adapters)}
         return cls(
             family=family,
             scheduler=scheduler,
@@ -142,6 +155,7 @@ class Pipeline:
             default_size=_trained_size(models["unet"].config.sample_size) * factor,
             name=name,
             controlnets=tuple(controlnets),
+            t2i_adapters=tuple(t2i_adapters),
         )
 
     def __call__(self, request: Request, progress=None) -> np.ndarray:
@@ -187,7 +201,7 @@ class Pipeline:
     def validate(self, request: Request) -> None:
         """An SdxError, in the user's terms, for what this pipeline's models cannot take (`pipelines.request.validate`)."""
         validate(request, self.family, self.factor, self.multiple, len(self.controlnets), self.sampler.models["vae"].config,
-                 ip_adapter=self.image_encoder is not None)
+                 ip_adapter=self.image_encoder is not None, adapters=[a.config for a in self.t2i_adapters])
         if request.image_prompt is not None:
             request.image_prompt.per_attention(self.sampler.models["unet"])  # a per-block spec that does not fit fails here
 

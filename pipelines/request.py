@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines import control, guidance, sampler, text
+from pipelines import control, guidance, sampler, t2i_adapter, text
 from pipelines.control import Control
 from pipelines.image_prompt import ImagePrompt
+from pipelines.t2i_adapter import AdapterImage
 from pipelines.family import Family
 from pipelines.sampler import START_IMAGE, START_LATENTS, START_NOISE, Inputs, Plan
 from sdx.errors import SdxError
@@ -31,7 +32,9 @@ class Request:
     for inpainting; `latents` (images, h, w, C) float32 initial noise in sdx layout (NHWC), before the
     scheduler's init_noise_sigma; `init_latents` (images, h, w, C) to continue (refiner hand-over);
     `controls`: one `Control` per ControlNet of the pipeline, in order; `guess_mode`: diffusers' (see
-    `pipelines.control`); `image_prompt`: the IP-Adapter's image and scale (`pipelines.image_prompt`)."""
+    `pipelines.control`); `image_prompt`: the IP-Adapter's image and scale (`pipelines.image_prompt`);
+    `adapters`: one `AdapterImage` per T2I-Adapter of the pipeline, in order, acting in the first
+    `adapter_factor` of the steps (`pipelines.t2i_adapter`)."""
 
     prompts: Sequence[str]
     height: int
@@ -68,6 +71,8 @@ class Request:
     controls: Sequence[Control] = ()
     guess_mode: bool = False
     image_prompt: ImagePrompt | None = None
+    adapters: Sequence[AdapterImage] = ()
+    adapter_factor: float = 1.0
 
     @property
     def num_images(self) -> int:
@@ -102,9 +107,10 @@ def _time_ids(family: Family, r: Request, negative: bool) -> list[float]:
 
 
 def validate(r: Request, family: Family, factor: int, multiple: int, controlnets: int = 0, vae=None,
-             ip_adapter: bool = False) -> None:
+             ip_adapter: bool = False, adapters: Sequence = ()) -> None:
     """Fail early, in the user's terms, on what the models cannot take (`controlnets`: the pipeline's; `vae`:
-    its VAE's config, whose tiles `vae_tiling` needs to line up; `ip_adapter`: whether it has one)."""
+    its VAE's config, whose tiles `vae_tiling` needs to line up; `ip_adapter`: whether it has one; `adapters`:
+    its T2I-Adapters' configs)."""
     if not r.prompts:
         raise SdxError("give at least one prompt")
     if r.steps < 1:
@@ -150,6 +156,19 @@ def validate(r: Request, family: Family, factor: int, multiple: int, controlnets
             vae.tiles(decoding)  # an SdxError unless the tiles line up
     _validate_controls(r, family, controlnets)
     _validate_image_prompt(r, ip_adapter)
+    _validate_adapters(r, family, adapters)
+
+
+def _validate_adapters(r: Request, family: Family, adapters: Sequence) -> None:
+    t2i_adapter.check_request(r.adapters, adapters, len(r.prompts), r.height, r.width)
+    if not r.adapters:
+        return
+    if family.pix2pix:
+        raise SdxError("--t2i-adapter: T2I-Adapters guide text-to-image, img2img and inpainting models, not InstructPix2Pix")
+    if r.init_latents is not None or r.denoising_start is not None:
+        raise SdxError("--t2i-adapter does not continue given latents (no --refiner)")
+    if not 0.0 <= r.adapter_factor <= 1.0:
+        raise SdxError(f"--t2i-adapter-factor {r.adapter_factor}: the share of the steps the adapters act in, from 0 to 1")
 
 
 def _validate_image_prompt(r: Request, ip_adapter: bool) -> None:
@@ -217,7 +236,7 @@ def batches(
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
         decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
         inpaint=r.mask is not None, controlnets=len(r.controls), guess_mode=r.guess_mode and bool(r.controls),
-        image_prompt=r.image_prompt is not None,
+        image_prompt=r.image_prompt is not None, t2i_adapters=len(r.adapters),
         blank_rows=jax.default_backend() in sampler.BLANK_ROWS_PLATFORMS, vae_tiling=r.vae_tiling,
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
@@ -242,6 +261,9 @@ def batches(
     ip_scale = np.zeros((0,), np.float32) if ip_scales is None else np.asarray(ip_scales, np.float32)
     total_calls = len(scheduler.timesteps(r.steps))
     control_scales = control.scales_per_call(r.controls, total_calls, begin, end)
+    adapter_all = [per_image_array(a.image) for a in r.adapters]
+    adapter_scales = np.asarray([a.scale for a in r.adapters], np.float32)
+    adapter_gates = t2i_adapter.gates(r.adapter_factor, r.steps, begin, end, cut=r.denoising_end is not None)
 
     time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
     neg_time_ids = np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids
@@ -266,6 +288,9 @@ def batches(
             control_scales=control_scales,
             ip_image=take(ip_all).astype(np.float32) if ip_all is not None else np.zeros((0, 0, 0, 0), np.float32),
             ip_scale=ip_scale,
+            adapter=tuple(take(a).astype(np.float32) for a in adapter_all),
+            adapter_scales=adapter_scales,
+            adapter_gates=adapter_gates,
             state=state,
         )
         out.append((plan, inputs, min(batch, n - b0)))

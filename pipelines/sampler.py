@@ -1,9 +1,9 @@
 """The generation as three ahead-of-time compiled programs and a Python loop over the model calls.
 
-- prepare (text encoders, VAE encoder): token ids -> the UNet batch of conditioning the guidance lays
-  out, its text context projected by every attention of the UNet and the ControlNets that reads it; the
-  initial latents (noise, img2img's noised image latents, or given latents); InstructPix2Pix's image
-  latents; inpainting's mask and masked-image latents.
+- prepare (text encoders, VAE encoder, T2I-Adapters): token ids -> the UNet batch of conditioning the
+  guidance lays out, its text context projected by every attention of the UNet and the ControlNets that
+  reads it; the T2I-Adapters' feature maps; the initial latents (noise, img2img's noised image latents, or
+  given latents); InstructPix2Pix's image latents; inpainting's mask and masked-image latents.
 - denoise (UNet, and the ControlNets if any): `chunk` model calls (ControlNets, UNet, guidance, scheduler
   step, as a `lax.fori_loop`) from the call the scheduler state has reached; the latents and scheduler
   state are donated from one call to the next.
@@ -75,7 +75,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import control, cpu_kernels, executables, guidance, host_memory, image_prompt, masks, text
+from pipelines import control, cpu_kernels, executables, guidance, host_memory, image_prompt, masks, t2i_adapter, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
 from sdx import mesh as meshlib
@@ -94,6 +94,11 @@ def controlnet_name(k: int) -> str:
 def _controlnet_names(plan: Plan) -> list[str]:
     """The `Sampler.models` keys of the plan's ControlNets, in order."""
     return [controlnet_name(k) for k in range(plan.controlnets)]
+
+
+def _adapter_names(plan: Plan) -> list[str]:
+    """The `Sampler.models` keys of the plan's T2I-Adapters, in order."""
+    return [t2i_adapter.adapter_name(k) for k in range(plan.t2i_adapters)]
 
 
 class Stream(enum.IntEnum):
@@ -116,7 +121,8 @@ class Plan:
     decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt;
     inpaint: a mask says what to repaint (`Inputs.mask`); controlnets: how many of the sampler's
     ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`); image_prompt: an IP-Adapter
-    reads `Inputs.ip_image` (`pipelines.image_prompt`); blank_rows: a zero
+    reads `Inputs.ip_image` (`pipelines.image_prompt`); t2i_adapters: how many of the sampler's T2I-Adapters
+    act (`Inputs.adapter`, `pipelines.t2i_adapter`); blank_rows: a zero
     negative branch skips its cross-attentions (`Guidance.blank_rows`; set where `BLANK_ROWS_PLATFORMS` says);
     vae_tiling: the VAE encodes and decodes images larger than its tile in overlapping tiles (`sdx.vae_tiles`).
     """
@@ -138,6 +144,7 @@ class Plan:
     controlnets: int = 0
     guess_mode: bool = False
     image_prompt: bool = False
+    t2i_adapters: int = 0
     blank_rows: bool = False
     vae_tiling: bool = False
 
@@ -166,7 +173,10 @@ class Inputs:
     otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; control: per
     ControlNet (B, H, W, C) its image in [0, 1]; control_scales: (ControlNets, calls) each one's scale at
     each call of [begin, end); ip_image: (B, S, S, 3) the IP-Adapter's image encoder's input, (0, 0, 0, 0)
-    without one; ip_scale: (cross-attentions,) the scale of each of the UNet's, (0,) without one; state: the scheduler's tables for calls [begin, end).
+    without one; ip_scale: (cross-attentions,) the scale of each of the UNet's, (0,) without one; adapter: per
+    T2I-Adapter (B, H, W, C) its image in [0, 1]; adapter_scales: (adapters,) their weights; adapter_gates:
+    (calls,) 1 at each call of [begin, end) they act in, 0 after; state: the scheduler's tables for calls
+    [begin, end).
     """
 
     ids: dict[str, jax.Array]
@@ -183,6 +193,9 @@ class Inputs:
     control_scales: jax.Array
     ip_image: jax.Array
     ip_scale: jax.Array
+    adapter: tuple[jax.Array, ...]
+    adapter_scales: jax.Array
+    adapter_gates: jax.Array
     state: State
 
 
@@ -228,7 +241,8 @@ class Fixed:
     an IP-Adapter's of its image tokens),
     each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, and the
     ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`) and their own
-    `text_context`s of the context."""
+    `text_context`s of the context, and the T2I-Adapters' summed feature maps (B rows each) with the calls
+    they act in (`Inputs.adapter_gates`)."""
 
     cond: Conditioning
     text: TextContext
@@ -238,6 +252,8 @@ class Fixed:
     control: tuple[jax.Array, ...] = ()
     control_scales: jax.Array | None = None
     control_text: tuple[TextContext, ...] = ()
+    adapter_features: tuple[jax.Array, ...] = ()
+    adapter_gates: jax.Array | None = None
 
 
 def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
@@ -276,7 +292,8 @@ BLANK_ROWS_PLATFORMS: tuple[str, ...] = ("cpu",)
 
 
 def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int) -> tuple[Carry, Fixed]:
-    """Conditioning (with the UNet's and each ControlNet's projections of its context) and initial latents.
+    """Conditioning (with the UNet's and each ControlNet's projections of its context), the T2I-Adapters'
+    feature maps and initial latents.
     `dtype`: the UNet's compute dtype, for what it reads; `devices`: the mesh's, over which the VAE encodes
     in turns (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
@@ -328,9 +345,12 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     unet_text = models["unet"].text_context(both.context, blank)
     if plan.image_prompt:
         unet_text = models[image_prompt.ADAPTER].attach(models["unet"], unet_text, both.ip_tokens, inputs.ip_scale)
+    adapters = [models[name] for name in _adapter_names(plan)]
+    features = t2i_adapter.features(adapters, inputs.adapter, inputs.adapter_scales) if adapters else ()
     fixed = Fixed(both, unet_text, inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales,
-                  tuple(net.text_context(both.context, control_blank) for net in nets))
+                  tuple(net.text_context(both.context, control_blank) for net in nets),
+                  features, inputs.adapter_gates if adapters else None)
     return Carry(x, state, first_bad), fixed
 
 
@@ -366,6 +386,10 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
                                           st.timestep, cond, fixed.control_text, guide.branches, shared, plan.guess_mode,
                                           plan.family.xl)
             res = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+        if fixed.adapter_features:  # the same maps for every guidance branch of an image
+            gate = fixed.adapter_gates[st.index]
+            res["down_intrablock_additional_residuals"] = tuple(
+                jnp.repeat(f * gate.astype(f.dtype), guide.branches, axis=0) for f in fixed.adapter_features)
         out = guide.combine(unet(model_in, t, fixed.text, added, **res).astype(jnp.float32), fixed.scales)
         noise = None
         if sched.stochastic:
@@ -465,7 +489,7 @@ class Sampler:
     """Compiles and runs the programs for a set of loaded models on a mesh.
 
     models: {"unet", "vae", "text_encoder"[, "text_encoder_2"][, `controlnet_name(k)`...][, "image_encoder",
-    "ip_adapter"]} live nnx modules (already placed);
+    "ip_adapter"][, `t2i_adapter.adapter_name(k)`...]} live nnx modules (already placed);
     chunk: model calls per denoise call; compile_log: called with (plan, seconds) after each plan's
     programs are compiled; compilations counts those plans.
     """
@@ -523,12 +547,16 @@ class Sampler:
             control_scales=rep(inputs.control_scales),
             ip_image=batched(inputs.ip_image) if np.shape(inputs.ip_image)[0] else rep(inputs.ip_image),
             ip_scale=rep(inputs.ip_scale),
+            adapter=tuple(batched(a) for a in inputs.adapter),
+            adapter_scales=rep(inputs.adapter_scales),
+            adapter_gates=rep(inputs.adapter_gates),
             state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
         )
 
     def _prepare_params(self, plan: Plan) -> dict:
         adapter = (image_prompt.ENCODER, image_prompt.ADAPTER) if plan.image_prompt else ()
-        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *_controlnet_names(plan), *adapter)}
+        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *_controlnet_names(plan),
+                                                     *adapter, *_adapter_names(plan))}
 
     def _denoise_params(self, plan: Plan) -> dict:
         return {name: self.params[name] for name in ("unet", *_controlnet_names(plan))}

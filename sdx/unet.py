@@ -310,17 +310,36 @@ class DownBlock2D(nnx.Module):
             None if last else nnx.List([Downsample2D(cp, cout, padding=c.downsample_padding, rngs=rngs)])
         )
 
-    def __call__(self, x, temb, context):
+    def __call__(self, x, temb, context, residual=None):
+        """residual: a T2I-Adapter's feature map for this block, or None. As in diffusers, a block with
+        attentions adds it to its last attention's output (before the downsampler), a block without to its
+        own output (after the downsampler); either way the skip connection taken there carries it."""
         skips = []
+        last = len(self.resnets) - 1
         for i, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
             if self.attentions is not None:
                 x = self.attentions[i](x, context)
+                if i == last and residual is not None:
+                    x = _add_intrablock(x, residual)
             skips.append(x)
         if self.downsamplers is not None:
             x = self.downsamplers[0](x)
             skips.append(x)
+        if self.attentions is None and residual is not None:
+            x = _add_intrablock(x, residual)
+            skips[-1] = x
         return x, tuple(skips)
+
+
+def _add_intrablock(x: jax.Array, residual: jax.Array) -> jax.Array:
+    """x + a T2I-Adapter feature map of its shape; x computed once for consecutive rows that share it is
+    widened to the feature's rows first."""
+    x = widen(x, residual.shape[0])
+    if residual.shape != x.shape:
+        raise SdxError(f"unet: a T2I-Adapter feature map of shape {tuple(residual.shape)} meets the UNet's activation "
+                       f"{tuple(x.shape)} (an adapter made for another UNet?)")
+    return x + residual.astype(x.dtype)
 
 
 class MidBlock2D(nnx.Module):
@@ -526,11 +545,12 @@ class UNetEncoder(nnx.Module):
             return rematerialised(lambda b, *a: b(*a, **static), block, *args)
         return block(*args, **static)
 
-    def _down(self, x, temb, context) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """The down blocks on conv_in's output x: (their output, the skip connections: x, then each block's)."""
+    def _down(self, x, temb, context, features=()) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """The down blocks on conv_in's output x: (their output, the skip connections: x, then each block's).
+        features: T2I-Adapter feature maps, one for each of the first blocks (`DownBlock2D`)."""
         skips: tuple = (x,)
-        for block in self.down_blocks:
-            x, res = self._run(block, x, temb, context)
+        for i, block in enumerate(self.down_blocks):
+            x, res = self._run(block, x, temb, context, features[i] if i < len(features) else None)
             skips += res
         return x, skips
 
@@ -567,6 +587,7 @@ class UNet2DConditionModel(UNetEncoder):
         added_cond: Mapping[str, jax.Array] | None = None,
         down_block_additional_residuals: Sequence[jax.Array] | None = None,
         mid_block_additional_residual: jax.Array | None = None,
+        down_intrablock_additional_residuals: Sequence[jax.Array] = (),
     ) -> jax.Array:
         """sample (B, H, W, C_in); timesteps () or (B,); encoder_hidden_states (B, S, D), or this model's
         `text_context` of it; added_cond {"text_embeds": (B, P), "time_ids": (B, N)} for SDXL. -> (B, H, W, C_out).
@@ -583,6 +604,10 @@ class UNet2DConditionModel(UNetEncoder):
         (`sdx.controlnet.ControlNetModel`, in the order it returns them), both or neither. As in diffusers'
         forward, the first are added to the skip connections once the down blocks have run, the second
         to the mid block's output.
+
+        down_intrablock_additional_residuals: a T2I-Adapter's feature maps (`sdx.t2i_adapter`), each (B, H_i,
+        W_i, C_i) with B the context's rows: one per down block, in order (`DownBlock2D`), and one more for
+        the mid block's output (SDXL's adapters). As in diffusers, from the first down block on.
         """
         c = self.config
         if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
@@ -597,7 +622,11 @@ class UNet2DConditionModel(UNetEncoder):
         if c.center_input_sample:
             x = 2 * x - 1.0
         temb = self._embed(timesteps, b, added_cond)
-        x, skips = self._down(self.conv_in(x), temb, ctx)
+        features = tuple(down_intrablock_additional_residuals)
+        if len(features) > c.levels + (self.mid_block is not None):
+            raise SdxError(f"unet: {len(features)} down_intrablock_additional_residuals for {c.levels} down blocks"
+                           f"{' and a mid block' if self.mid_block is not None else ''} (an adapter made for another UNet?)")
+        x, skips = self._down(self.conv_in(x), temb, ctx, features)
         if down_block_additional_residuals is not None:
             if len(down_block_additional_residuals) != len(skips):
                 raise SdxError(
@@ -610,6 +639,8 @@ class UNet2DConditionModel(UNetEncoder):
             )
         if self.mid_block is not None:
             x = self._run(self.mid_block, x, temb, ctx)
+            if len(features) > c.levels:
+                x = _add_intrablock(x, features[c.levels])
         if mid_block_additional_residual is not None:
             x = _add_residual("mid_block_additional_residual", widen(x, rows), mid_block_additional_residual)
 

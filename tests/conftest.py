@@ -24,32 +24,38 @@ processes.configure_this_process()
 # against 1043 s). Given first, the two workers end within seconds of each other; every other file follows
 # in xdist's usual order.
 SLOW_FILES = (
-    "tests/test_sampler.py",  # ~195
-    "tests/test_train_e2e.py",  # ~185
-    "tests/test_unet.py",  # ~150
-    "tests/test_train_mesh.py",  # ~150
-    "tests/test_train_cli.py",  # ~115
-    "tests/test_train_textual_inversion.py",  # ~100
-    "tests/test_default_models.py",  # ~105
-    "tests/test_pipelines.py",  # ~90
-    "tests/test_train_step.py",  # ~85
-    "tests/test_train_lora.py",  # ~70
-    "tests/test_controlnet_pipelines.py",  # ~70
-    "tests/test_ip_adapter_pipelines.py",  # ~70
-    "tests/test_inpaint.py",  # ~70
-    "tests/test_train_vae.py",  # ~70
-    "tests/test_train_cache.py",  # ~60
-    "tests/test_dreambooth.py",  # ~55
-    "tests/test_textual_inversion.py",  # ~50
-    "tests/test_train_controlnet.py",  # ~45
-    "tests/test_randomness.py",  # ~55
-    "tests/test_ip_adapter.py",  # ~40
-    "tests/test_fuzz_readers.py",  # ~45
-    "tests/test_vae.py",  # ~40
-    "tests/test_full_disk.py",  # ~35
-    "tests/test_schedulers_parity.py",  # ~35
+    "tests/test_sampler.py",  # ~260
+    "tests/test_train_e2e.py",  # ~240
+    "tests/test_unet.py",  # ~210
+    "tests/test_train_step.py",  # ~170
+    "tests/test_train_mesh.py",  # ~170
+    "tests/test_train_cli.py",  # ~150
+    "tests/test_default_models.py",  # ~140
+    "tests/test_pipelines.py",  # ~120
+    "tests/test_inpaint.py",  # ~110
+    "tests/test_train_vae.py",  # ~110
+    "tests/test_t2i_adapter_pipelines.py",  # ~110
+    "tests/test_controlnet_pipelines.py",  # ~90
+    "tests/test_randomness.py",  # ~90
+    "tests/test_ip_adapter_pipelines.py",  # ~80
+    "tests/test_train_cache.py",  # ~80
+    "tests/test_fuzz_readers.py",  # ~80
+    "tests/test_train_lora.py",  # ~80
+    "tests/test_train_textual_inversion.py",  # ~70
+    "tests/test_vae.py",  # ~60
+    "tests/test_dreambooth.py",  # ~60
+    "tests/test_schedulers_parity.py",  # ~50
+    "tests/test_full_disk.py",  # ~50
+    "tests/test_ip_adapter.py",  # ~50
+    "tests/test_t2i_adapter.py",  # ~40
+    "tests/test_train_controlnet.py",  # ~40
+    "tests/test_textual_inversion.py",  # ~40
+    "tests/test_nonfinite.py",  # ~30
+    "tests/test_train_objective.py",  # ~30
     "tests/test_train_checkpoint.py",  # ~30
-    "tests/test_prompts_file.py",  # ~25
+    "tests/test_prompts_file.py",  # ~30
+    "tests/test_model_folder.py",  # ~30
+    "tests/test_sample_checkpoints.py",  # ~30
 )
 
 
