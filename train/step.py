@@ -130,20 +130,19 @@ def _unroll() -> bool:
 
 
 def _accumulated(grad_fn, params, micro, constants):
-    """The mean loss, gradients and aux over micro-batches ([A, micro, ...] leaves), one at a time."""
-    def accumulate(carry, xs):
-        loss_sum, grad_sum, aux_sum = carry
+    """The mean loss, gradients and aux over micro-batches ([A, micro, ...] leaves), one at a time: the
+    gradients summed in the scan's carry (their shapes are the parameters'), each micro-batch's loss and aux
+    stacked as its outputs, so the loss is traced once, inside the scan (an `eval_shape` of it for the aux's
+    shapes traced it twice: 1.3-2.5 s more per compile of a tiny model's step)."""
+    def accumulate(grad_sum, xs):
         (loss, aux), grads = grad_fn(params, *xs, constants)
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        return (loss_sum + loss, add(grad_sum, grads), add(aux_sum, aux)), None
+        return jax.tree.map(jnp.add, grad_sum, grads), (loss, aux)
 
-    first = jax.tree.map(lambda x: x[0], micro)
-    aux_shapes = jax.eval_shape(grad_fn, params, *first, constants)[0][1]
-    zeros = (jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-             jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shapes))
-    sums, _ = jax.lax.scan(accumulate, zeros, micro, unroll=_unroll())
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grad_sum, (losses, aux) = jax.lax.scan(accumulate, zeros, micro, unroll=_unroll())
     count = jax.tree.leaves(micro)[0].shape[0]
-    return jax.tree.map(lambda s: s / count, sums)
+    mean = lambda a: jnp.mean(a.astype(jnp.float32), axis=0)  # (A, ...) -> (...)
+    return mean(losses), jax.tree.map(lambda g: g / count, grad_sum), jax.tree.map(mean, aux)
 
 
 def trained_in_part(loss_fn: LossFn, constants, base) -> tuple[LossFn, Any]:
