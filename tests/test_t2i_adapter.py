@@ -36,14 +36,6 @@ ADAPTERS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _torch_adapter(d, seed=0):
     torch.manual_seed(seed)
     model = diffusers.T2IAdapter(**d)
