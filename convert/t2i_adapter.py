@@ -27,10 +27,10 @@ from sdx.t2i_adapter import T2IAdapter, T2IAdapterConfig
 
 
 def resolve_t2i_adapter(spec: str, *, variant: str | None = None, cache_dir: str | Path | None = None,
-                        log: Log | None = None) -> Path:
+                        log: Log | None = None, flag: str = "--t2i-adapter") -> Path:
     """The local folder of a T2I-Adapter given as a folder or a hub id `org/name` (downloaded: config.json and
-    the chosen weights only)."""
-    where = f"--t2i-adapter {spec}"
+    the chosen weights only); `flag`: what errors name it by."""
+    where = f"{flag} {spec}"
     path = Path(spec)
     if path.is_dir():
         return path
@@ -68,15 +68,16 @@ def load_t2i_adapter(
     variant: str | None = None,
     cache_dir: str | Path | None = None,
     log: Log | None = None,
+    flag: str = "--t2i-adapter",
 ) -> T2IAdapter:
     """The live T2I-Adapter at `src` (a folder or hub id), its parameters in `dtype` ("float32", "bfloat16",
     "float16"; with a 16-bit one the fp16 variant of the weights is read where the folder has it); compute:
     how it runs (its param_dtype is replaced by `dtype`); sharding: one Sharding for every parameter, or a
-    function (path, shape) -> Sharding."""
+    function (path, shape) -> Sharding; flag: what errors name it by."""
     log = log or (lambda _msg: None)
-    where = f"--t2i-adapter {src}"
+    where = f"{flag} {src}"
     variant = variant if variant is not None else default_variant(dtype)
-    folder = resolve_t2i_adapter(str(src), variant=variant, cache_dir=cache_dir, log=log)
+    folder = resolve_t2i_adapter(str(src), variant=variant, cache_dir=cache_dir, log=log, flag=flag)
     config = read_config(folder, where)
     _, tensors = diffusers_folder.read_model_folder(folder, "diffusers", variant)
     log(f"t2i-adapter: {len(tensors)} tensors from {tensors.where}")

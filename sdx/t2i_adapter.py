@@ -76,6 +76,10 @@ class T2IAdapterConfig(JsonConfig):
         check_types(cls.label, values, cls.kinds)
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items()})
 
+    def to_diffusers_config(self) -> dict[str, Any]:
+        """The config.json diffusers' T2IAdapter.from_pretrained reads."""
+        return {"_class_name": "T2IAdapter", **self.to_dict()}
+
     @property
     def halvings(self) -> tuple[bool, ...]:
         """Whether each block halves the map it reads (one per feature map)."""

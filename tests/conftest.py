@@ -42,6 +42,7 @@ SLOW_FILES = (
     "tests/test_fuzz_readers.py",  # ~80
     "tests/test_train_lora.py",  # ~80
     "tests/test_train_textual_inversion.py",  # ~70
+    "tests/test_train_t2i_adapter.py",  # ~60
     "tests/test_vae.py",  # ~60
     "tests/test_dreambooth.py",  # ~60
     "tests/test_schedulers_parity.py",  # ~50

@@ -2,7 +2,7 @@
 
 The flags are diffusers' training-script flags with the same meaning and defaults
 (train_instruct_pix2pix(_sdxl).py, train_text_to_image(_sdxl).py, train_dreambooth(_lora).py,
-train_controlnet(_sdxl).py, textual_inversion(_sdxl).py), accepted
+train_controlnet(_sdxl).py, train_t2i_adapter_sdxl.py, textual_inversion(_sdxl).py), accepted
 with underscores and with dashes (`--train_batch_size` and `--train-batch-size`), so a diffusers command
 line runs after swapping `accelerate launch X.py` for `python -m train.X`. A diffusers flag sdx does not
 implement is an error naming it, never silently ignored. Differences, on purpose:
@@ -39,7 +39,8 @@ from train.data import INTERPOLATIONS
 from train.lr import SCHEDULES
 from train.objective import PREDICTION_TYPES
 
-TASKS = ("pix2pix", "text_to_image", "dreambooth", "controlnet", "textual_inversion", "vae")
+TASKS = ("pix2pix", "text_to_image", "dreambooth", "controlnet", "t2i_adapter", "textual_inversion", "vae")
+CONTROL_TASKS = ("controlnet", "t2i_adapter")  # a model trained beside the frozen UNet from a control image
 LORA_TASKS = ("text_to_image", "dreambooth")
 EXPORT_FORMATS = ("sdx", "diffusers")
 
@@ -123,6 +124,7 @@ class TrainConfig:
     num_vectors: int = 1
     # ControlNet: start from this ControlNet (else a copy of the UNet's encoder half, diffusers' from_unet)
     controlnet_model_name_or_path: str | None = None
+    adapter_model_name_or_path: str | None = None
     # optimisation
     output_dir: str = "sdx-model-finetuned"
     seed: int = 0
@@ -205,6 +207,8 @@ _DEFAULTS = {
                    "num_train_epochs": 1, "learning_rate": 5e-6, "caption_column": None},
     "controlnet": {"resolution": 512, "output_dir": "controlnet-model", "train_batch_size": 4, "num_train_epochs": 1,
                    "learning_rate": 5e-6},
+    "t2i_adapter": {"resolution": 1024, "output_dir": "t2iadapter-model", "train_batch_size": 4, "num_train_epochs": 1,
+                    "learning_rate": 5e-6, "validation_steps": 100},
     "textual_inversion": {"resolution": 512, "output_dir": "text-inversion-model", "max_train_steps": 5000,
                           "repeats": 100, "image_interpolation_mode": "bicubic", "validation_steps": 100},
     "vae": {"resolution": 256, "output_dir": "vae-finetuned", "learning_rate": 4.5e-6},
@@ -276,10 +280,14 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt("edited_image_column", "the image after the edit")
     elif task not in ("dreambooth", "textual_inversion"):
         opt("image_column", "the image column")
-        if task in ("text_to_image", "controlnet"):
+        if task in ("text_to_image", *CONTROL_TASKS):
             opt("caption_column", "the caption column")
-        if task == "controlnet":
+        if task in CONTROL_TASKS:
             opt("conditioning_image_column", "the control image column (edges, depth, ...)")
+        if task == "t2i_adapter":
+            opt("adapter_model_name_or_path", "start from this T2I-Adapter (what `python -m sdx.sample "
+                "--t2i-adapter` takes); default: diffusers' T2IAdapter for the UNet, as torch initialises it")
+        if task == "controlnet":
             opt("controlnet_model_name_or_path", "start from this ControlNet (what `python -m sdx.sample "
                 "--controlnet` takes); default: a copy of the UNet's encoder half, zero convolutions zero")
     if task not in ("dreambooth", "textual_inversion"):
@@ -287,11 +295,11 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
     opt("resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
     opt("image_interpolation_mode", "the resize filter (torchvision's names; the SDXL scripts default to lanczos)",
         choices=tuple(INTERPOLATIONS))
-    if task != "controlnet":  # diffusers' ControlNet scripts crop the center, unflipped: so does sdx
+    if task not in CONTROL_TASKS:  # diffusers' ControlNet and T2I-Adapter scripts crop the center, unflipped
         _bool(p, "center_crop", "crop the center (default: a random crop)")
     if task == "textual_inversion":  # it always flips, as diffusers' script does
         p.set_defaults(random_flip=True)
-    elif task != "controlnet":
+    elif task not in CONTROL_TASKS:
         _bool(p, "random_flip", "flip horizontally with probability 1/2")
     opt("dataloader_num_workers", "data loading worker processes (0: in the main process)", type=int)
     if task in ("pix2pix", "text_to_image"):
@@ -376,7 +384,7 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         if task == "pix2pix":
             _flag_with_alias(p, "val_image_url_or_path", "--val_image_url", default=None,
                   help="the image validation edits (a local path)")
-        if task == "controlnet":
+        if task in CONTROL_TASKS:
             opt("validation_image", "control image(s) of the validation (local paths): one, one per prompt, or "
                 "several for one prompt", nargs="+")
         opt("num_validation_images", "images per validation prompt", type=int)
@@ -514,10 +522,11 @@ def check(c: TrainConfig) -> None:
     if c.train_text_encoder and c.rank is None:
         raise SdxError(f"--train_text_encoder trains LoRA adapters on the text encoders: give --rank (or run "
                        f"python -m train.{c.task}_lora); whole text encoders are not fine-tuned")
-    if c.task == "controlnet" and c.validation_prompt:
+    if c.task in CONTROL_TASKS and c.validation_prompt:
         n, m = len(c.validation_prompt), len(c.validation_image)
         if m == 0:
-            raise SdxError("--validation_prompt needs --validation_image (the control image) for a ControlNet")
+            raise SdxError("--validation_prompt needs --validation_image (the control image) for a ControlNet or a "
+                           "T2I-Adapter")
         if not (m == 1 or n == 1 or m == n):
             raise SdxError(f"--validation_prompt ({n}) and --validation_image ({m}): give one image, one prompt, "
                            "or as many of each (diffusers' pairing)")

@@ -85,11 +85,7 @@ def from_unet(unet_source_config: dict[str, Any] | None, unet_arrays, key: jax.A
         elif name.startswith(ZERO):
             arrays[name] = np.zeros(shape, np.float32)
     drawn = sorted(set(shapes) - set(arrays))  # controlnet_cond_embedding.conv_in and .blocks.N
-    for i, name in enumerate(drawn):
-        kernel = shapes[name.rsplit(".", 1)[0] + ".kernel"]  # (kh, kw, C_in, C_out)
-        bound = 1.0 / np.sqrt(np.prod(kernel[:-1]))
-        draw = jax.random.uniform(jax.random.fold_in(key, i), shapes[name], minval=-bound, maxval=bound)
-        arrays[name] = np.asarray(draw, np.float32)
+    arrays |= models.drawn_like_torch(shapes, drawn, key)
     return model_folder.ModelPart(cls=CLASS, config=cfg, arrays=arrays, source_config=source)
 
 
@@ -118,15 +114,7 @@ class ControlNetTask(diffusion.DiffusionTask):
         self.loss_config = dataclasses.replace(self.loss_config, controlnet=True)
 
     def validation_inputs(self) -> dict:
-        """diffusers' pairing of --validation_prompt and --validation_image: as many of each, one image for
-        every prompt, or every image with the one prompt."""
-        cfg = self.cfg
-        prompts, paths = list(cfg.validation_prompt), list(cfg.validation_image)
-        if len(prompts) == 1:
-            prompts = prompts * len(paths)
-        if len(paths) == 1:
-            paths = paths * len(prompts)
-        images = np.stack([(data.load_image(p, cfg.resolution) + 1) / 2 for p in paths])  # (N, res, res, 3) in [0, 1]
+        prompts, images = validation_pairs(self.cfg)
         return {"prompts": prompts, "controls": [Control(image=images)]}
 
     def export(self, module: nnx.Module, out: Path) -> None:
@@ -137,12 +125,29 @@ class ControlNetTask(diffusion.DiffusionTask):
             export.write_controlnet(out, part, log=self.log)
 
 
+def validation_pairs(cfg: TrainConfig) -> tuple[list[str], np.ndarray]:
+    """diffusers' pairing of --validation_prompt and --validation_image: as many of each, one image for every
+    prompt, or every image with the one prompt. -> (prompts, control images (N, res, res, 3) in [0, 1])."""
+    prompts, paths = list(cfg.validation_prompt), list(cfg.validation_image)
+    if len(prompts) == 1:
+        prompts = prompts * len(paths)
+    if len(paths) == 1:
+        paths = paths * len(prompts)
+    return prompts, np.stack([(data.load_image(p, cfg.resolution) + 1) / 2 for p in paths])
+
+
 def open_data(cfg: TrainConfig) -> sources.Source:
-    """The dataset with its image, control image and caption columns (a missing one is an error naming the
-    columns found); the validation's control images decoded now, not first at the first validation, and
-    --controlnet_model_name_or_path read (its config and weights checked, nothing loaded) before any model."""
+    """The dataset (`control_data`), after --controlnet_model_name_or_path is read (its config and weights
+    checked, nothing loaded) before any model."""
     if cfg.controlnet_model_name_or_path:
         read_controlnet_part(cfg.controlnet_model_name_or_path, cache_dir=cfg.cache_dir)
+    return control_data(cfg)
+
+
+def control_data(cfg: TrainConfig) -> sources.Source:
+    """The dataset with its image, control image and caption columns (a missing one is an error naming the
+    columns found), the validation's control images decoded now, not first at the first validation (a
+    ControlNet's run and a T2I-Adapter's)."""
     for path in cfg.validation_image:
         try:
             data.load_image(path, cfg.resolution)

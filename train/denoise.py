@@ -39,7 +39,9 @@ class DenoiseConfig:
     the text encoders' compute dtype when they train (run in the loss), None when the batch holds their
     output; prior_loss_weight: DreamBooth's prior preservation (the batch's "prior" flags its class images,
     half of it), or None; controlnet: a ControlNet trains, its residuals (of the batch's "control" image)
-    added to the frozen UNet's skips and mid block; timestep_bias: the timesteps' weights (None: uniform);
+    added to the frozen UNet's skips and mid block; t2i_adapter: a T2I-Adapter trains, its feature maps (of
+    the batch's "control" image) added inside the frozen UNet's down blocks, the timesteps drawn cubically
+    (`objective.timesteps`); timestep_bias: the timesteps' weights (None: uniform);
     dream_detail_preservation: DREAM's p (`objective.dream`), or None without DREAM."""
 
     family: Family
@@ -54,6 +56,7 @@ class DenoiseConfig:
     text_dtype: str | None = None
     prior_loss_weight: float | None = None
     controlnet: bool = False
+    t2i_adapter: bool = False
     timestep_bias: objective.TimestepBias | None = None
     dream_detail_preservation: float | None = None
 
@@ -64,7 +67,8 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None,
 
     batch: "pixels" (B, H, W, 3) in [-1, 1] (pix2pix: "edited_pixels" and "original_pixels"), "ids"
     {encoder: (B, 1, 77)}, "time_ids" (B, 6) for SDXL, "index" (B,), "prior" (B,) bool under DreamBooth's
-    prior preservation (passed through), "conditioning_pixels" (B, H, W, 3) in [-1, 1] for a ControlNet.
+    prior preservation (passed through), "conditioning_pixels" (B, H, W, 3) in [-1, 1] for a ControlNet or a
+    T2I-Adapter.
     Returns "moments" (B, h, w, 2C), "context" (B, 77, D), "pooled" (B, P) (SDXL), "time_ids",
     "image_latents" (B, h, w, C) (pix2pix), "control" (B, H, W, 3) in [0, 1], "prior", "index".
     encoders None (they train, `DenoiseConfig.text_dtype`): "ids" (B, E, 77), each encoder's in
@@ -98,7 +102,8 @@ def loss_fn(graphdef, cfg: DenoiseConfig) -> functools.partial:
 
     graphdef: the UNet's; with `cfg.text_dtype`, an nnx.Dict's of "unet" and each of `family.encoders`,
     and `null` is {"ids": (E, 77)}, the empty prompt's ids, unless the family uses zeros for no prompt;
-    with `cfg.controlnet`, an nnx.Dict's of "unet" and "controlnet"."""
+    with `cfg.controlnet`, an nnx.Dict's of "unet" and "controlnet"; with `cfg.t2i_adapter`, of "unet" and
+    "t2i_adapter"."""
     return functools.partial(_loss, graphdef, cfg)
 
 
@@ -107,7 +112,7 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     model = nnx.merge(graphdef, params)
     latents = objective.sample_latents(keys, batch["moments"], cfg.vae)
     noise, noise_in = objective.noise(keys, latents.shape[1:], cfg.noise_offset, cfg.input_perturbation)
-    t = objective.timesteps(keys, sched.num_train_timesteps, cfg.timestep_bias)
+    t = objective.timesteps(keys, sched.num_train_timesteps, cfg.timestep_bias, cubic=cfg.t2i_adapter)
     noisy = training.add_noise(sched, latents, noise_in, t)
     drop_text, drop_image = _dropout(cfg, keys)
     unet = model["unet"] if isinstance(model, nnx.Dict) else model
@@ -125,6 +130,8 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
         if cfg.controlnet:
             down, mid = model["controlnet"](model_in, t, cond["context"], batch["control"], 1.0, added)
             residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+        if cfg.t2i_adapter:
+            residuals = {"down_intrablock_additional_residuals": tuple(model["t2i_adapter"](batch["control"]))}
         return unet(model_in, t, cond["context"], added, **residuals).astype(jnp.float32)
 
     target = objective.target(sched, cfg.prediction_type, latents, noise, t)

@@ -32,13 +32,14 @@ from pipelines import text as textlib
 from pipelines.guidance import null_conditioning
 from pipelines.pipeline import NonFiniteImages, Pipeline
 from pipelines.sampler import controlnet_name
+from pipelines.t2i_adapter import adapter_name
 from pipelines.request import Request
 from sdx import mesh as meshlib
 from sdx import lora, model_folder, schedulers
 from sdx.errors import SdxError
 from convert.library import identity
 from train import cache as cachelib
-from train import data, denoise, export, models, objective, sources
+from train import config, data, denoise, export, models, objective, sources
 from train.config import TrainConfig
 
 
@@ -85,7 +86,7 @@ class DiffusionTask:
         if self.loss_config.timestep_bias is not None:  # a range beyond the schedule is an error now, not mid-compile
             self.loss_config.timestep_bias.weights(sched.num_train_timesteps)
         self.prediction_type = prediction_type
-        center_crop = cfg.center_crop or cfg.task == "controlnet"  # diffusers' ControlNet scripts crop the center
+        center_crop = cfg.center_crop or cfg.task in config.CONTROL_TASKS  # as diffusers' scripts for them do
         self.transform = data.Transform(resolution=cfg.resolution, center_crop=center_crop,
                                         random_flip=cfg.random_flip, seed=cfg.seed,
                                         tokenize=tokenizer_fn(fam, m.tokenizers),
@@ -184,7 +185,7 @@ class DiffusionTask:
 
     def trained(self, module: nnx.Module) -> dict[str, nnx.Module]:
         """{component: model} of the module the loop trains: the UNet, with the text encoders when they train,
-        or with the ControlNet."""
+        or with the ControlNet or T2I-Adapter."""
         return dict(module.items()) if isinstance(module, nnx.Dict) else {"unet": module}
 
     def pipeline(self, module: nnx.Module, name: str) -> Pipeline:
@@ -197,14 +198,18 @@ class DiffusionTask:
         if self.cfg.rank:
             trained = {n: lora.fused(model) for n, model in trained.items()}
         nets = (trained.pop("controlnet"),) if "controlnet" in trained else ()
+        adapters = (trained.pop("t2i_adapter"),) if "t2i_adapter" in trained else ()
         if self._pipeline is None:
             self._pipeline = Pipeline.from_models(
                 {"vae": m.vae, **m.encoders, **trained}, family=m.family, tokenizers=m.tokenizers, mesh=self.mesh,
-                scheduler=schedulers.from_config(m.scheduler_config), name=name, controlnets=nets)
+                scheduler=schedulers.from_config(m.scheduler_config), name=name, controlnets=nets,
+                t2i_adapters=adapters)
         else:
-            for n, model in {**trained, **{controlnet_name(k): net for k, net in enumerate(nets)}}.items():
+            named = {**trained, **{controlnet_name(k): net for k, net in enumerate(nets)},
+                     **{adapter_name(k): adapter for k, adapter in enumerate(adapters)}}
+            for n, model in named.items():
                 self._pipeline.sampler.update(n, model)
-            self._pipeline = dataclasses.replace(self._pipeline, name=name, controlnets=nets)
+            self._pipeline = dataclasses.replace(self._pipeline, name=name, controlnets=nets, t2i_adapters=adapters)
         return self._pipeline
 
     def validate(self, module: nnx.Module, step: int, metrics) -> None:

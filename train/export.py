@@ -1,5 +1,6 @@
 """Writing the trained model: an sdx folder in --output_dir itself, optionally a diffusers folder too; or,
-for a LoRA run, the adapters alone (`write_lora`); or a trained ControlNet (`write_controlnet`).
+for a LoRA run, the adapters alone (`write_lora`); or a trained ControlNet (`write_controlnet`) or
+T2I-Adapter (`write_t2i_adapter`).
 
 `python -m sdx.sample --model OUTPUT_DIR` loads the result. The output folder also holds checkpoints,
 logs and validation images, so the model is built complete in a temporary folder beside it and its
@@ -13,12 +14,14 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import numpy as np
 
 from convert import library as convert_lib
 from sdx import io, model_folder
+from sdx.t2i_adapter import T2IAdapterConfig
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # the name diffusers' save_lora_weights and load_lora_weights use
 
@@ -66,19 +69,41 @@ def write_model(
     return out
 
 
-def write_controlnet(out: Path, part: model_folder.ModelPart, *, log=print) -> Path:
-    """Write a trained ControlNet into `out` as diffusers' save_pretrained does (config.json and
-    diffusion_pytorch_model.safetensors beside the checkpoints): built in a temporary folder, then moved in,
-    config.json last."""
-    from convert import controlnet_folder
-
+def _beside_checkpoints(out: Path, build: Callable[[Path], Path]) -> None:
+    """The diffusers model folder `build(folder)` writes, moved into `out` beside the checkpoints: built in a
+    temporary folder, then moved in, config.json last."""
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".controlnet-", dir=out) as tmp:
-        built = controlnet_folder.write_diffusers(part, Path(tmp) / "controlnet")
+    with tempfile.TemporaryDirectory(prefix=".model-", dir=out) as tmp:
+        built = build(Path(tmp) / "model")
         for entry in sorted(built.iterdir(), key=lambda p: p.name == "config.json"):
             os.replace(entry, out / entry.name)
+
+
+def write_controlnet(out: Path, part: model_folder.ModelPart, *, log=print) -> Path:
+    """Write a trained ControlNet into `out` as diffusers' save_pretrained does (config.json and
+    diffusion_pytorch_model.safetensors beside the checkpoints)."""
+    from convert import controlnet_folder
+
+    _beside_checkpoints(out, lambda folder: controlnet_folder.write_diffusers(part, folder))
     log(f"ControlNet written to {out} (python -m sdx.sample --controlnet {out}; diffusers' "
         "ControlNetModel.from_pretrained)")
+    return out
+
+
+def write_t2i_adapter(out: Path, config: T2IAdapterConfig, arrays: Mapping, *, log=print) -> Path:
+    """Write a trained T2I-Adapter (its config and sdx-keyed arrays) into `out` as diffusers' save_pretrained
+    does (config.json and diffusion_pytorch_model.safetensors beside the checkpoints)."""
+    from convert import export as convert_export
+
+    def build(folder: Path) -> Path:
+        folder.mkdir()
+        convert_export.write_model(folder, config.to_diffusers_config(), arrays,
+                                   file=convert_export.WEIGHTS_NAME["diffusers"], cast=np.float32, out=out)
+        return folder
+
+    _beside_checkpoints(out, build)
+    log(f"T2I-Adapter written to {out} (python -m sdx.sample --t2i-adapter {out}; diffusers' "
+        "T2IAdapter.from_pretrained)")
     return out
 
 

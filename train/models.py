@@ -15,9 +15,11 @@ computing exactly what the pretrained one did.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -65,9 +67,9 @@ def resolve_folder(cfg: TrainConfig, log=print) -> Path:
 
 
 def unet_frozen(cfg: TrainConfig) -> bool:
-    """Whether the UNet's own weights stay as they are: LoRA trains adapters, ControlNet a ControlNet,
-    textual inversion new words."""
-    return bool(cfg.rank) or cfg.task in ("controlnet", "textual_inversion")
+    """Whether the UNet's own weights stay as they are: LoRA trains adapters, ControlNet a ControlNet, a
+    T2I-Adapter run the adapter, textual inversion new words."""
+    return bool(cfg.rank) or cfg.task in ("controlnet", "t2i_adapter", "textual_inversion")
 
 
 def text_in_step(cfg: TrainConfig) -> bool:
@@ -157,3 +159,17 @@ def _widened_unet(folder: Path, spec, compute: Compute, rule, log, read: bool):
     weights.check_arrays(weights.param_shapes(model), arrays, where="unet (conv_in widened to 8 channels)")
     log("unet: conv_in widened from 4 to 8 input channels (new channels zero, kernel and bias kept)")
     return weights.materialize(model, arrays, dtype=jnp.float32, sharding=rule), source
+
+
+def drawn_like_torch(shapes: Mapping[str, tuple[int, ...]], names: Sequence[str], key: jax.Array) -> dict[str, np.ndarray]:
+    """{name: float32 array}: each of `names` (an sdx parameter path, a convolution's or linear layer's kernel
+    or bias, with its shape in `shapes`) drawn as torch initialises a Conv2d or Linear: uniform in ±1/√fan_in,
+    fan_in every axis of the layer's kernel but the last (kaiming_uniform with a=√5, and its bias rule); the
+    i-th name from fold_in(key, i)."""
+    out = {}
+    for i, name in enumerate(names):
+        kernel = shapes[name.rsplit(".", 1)[0] + ".kernel"]  # (kh, kw, C_in, C_out) or (in, out)
+        bound = 1.0 / np.sqrt(np.prod(kernel[:-1]))
+        draw = jax.random.uniform(jax.random.fold_in(key, i), shapes[name], minval=-bound, maxval=bound)
+        out[name] = np.asarray(draw, np.float32)
+    return out

@@ -130,10 +130,16 @@ class TimestepBias:
         return w / w.sum()
 
 
-def timesteps(keys: jax.Array, num_train_timesteps: int, bias: TimestepBias | None = None) -> jax.Array:
+def timesteps(keys: jax.Array, num_train_timesteps: int, bias: TimestepBias | None = None,
+              cubic: bool = False) -> jax.Array:
     """int32[B]: each sample's training timestep, uniform in [0, num_train_timesteps), or drawn with `bias`'s
-    weights."""
-    if bias is None:
+    weights, or `cubic`: floor((1 - u^3) T), u uniform in [0, 1), the late (noisy) timesteps more often
+    (train_t2i_adapter_sdxl.py's sampling, the T2I-Adapter paper's section 3.4: the structure an adapter
+    conveys is decided early in sampling)."""
+    if cubic:
+        T = num_train_timesteps
+        draw = lambda k: jnp.clip(jnp.floor((1 - jax.random.uniform(k, ()) ** 3) * T), 0, T - 1).astype(jnp.int32)
+    elif bias is None:
         draw = lambda k: jax.random.randint(k, (), 0, num_train_timesteps, jnp.int32)
     else:
         logits = jnp.log(jnp.asarray(bias.weights(num_train_timesteps), jnp.float32))
