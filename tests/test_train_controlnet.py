@@ -121,8 +121,13 @@ def test_a_missing_controlnet_is_refused_before_any_model_loads(tmp_path):
     (["--rank", "4"], "unrecognized arguments: --rank"),
 ])
 def test_bad_flags_are_one_error(capsys, extra, words):
+    assert_one_error(capsys, "controlnet", extra, words)
+
+
+def assert_one_error(capsys, task: str, extra: list[str], words: str) -> None:
+    """`python -m train.<task>` with `extra` flags exits 2 with `words` in its one error line."""
     with pytest.raises(SystemExit) as e:
-        config.parse("controlnet", ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", *extra])
+        config.parse(task, ["--pretrained_model_name_or_path", "m", "--dataset_name", "d", *extra])
     assert e.value.code == 2
     assert words in capsys.readouterr().err
 
