@@ -121,8 +121,8 @@ def parser() -> argparse.ArgumentParser:
                    help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
                         "blocks and, with guidance, on the text branch only")
     p.add_argument("--t2i-adapter", metavar="MODEL", action="append", default=[],
-                   help="a T2I-Adapter (diffusers folder or hub id, e.g. TencentARC/t2iadapter_sketch_sd14v1) to guide "
-                        "the model with; repeatable, each with its --t2i-adapter-image")
+                   help="a T2I-Adapter (diffusers folder, hub id, e.g. TencentARC/t2iadapter_sketch_sd14v1, or an original "
+                        "t2iadapter_*.pth file) to guide the model with; repeatable, each with its --t2i-adapter-image")
     p.add_argument("--t2i-adapter-image", metavar="FILE", action="append", default=[],
                    help="the map a --t2i-adapter reads (sketch, depth, pose, ...), in the same order; resized to the "
                         "generation size")
@@ -290,7 +290,7 @@ def check_control_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
 
 
 def check_t2i_adapter_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
-    """Refuse bad T2I-Adapter flags (and a local adapter folder without a readable config); returns the
+    """Refuse bad T2I-Adapter flags (and a local adapter whose architecture cannot be read); returns the
     --t2i-adapter-image pictures, as read here."""
     n = len(args.t2i_adapter)
     if len(args.t2i_adapter_image) != n:
@@ -307,11 +307,11 @@ def check_t2i_adapter_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
     for scale in per_model(args.t2i_adapter_scale, n, "--t2i-adapter-scale", "--t2i-adapter") or []:
         if not math.isfinite(scale):
             raise SdxError(f"--t2i-adapter-scale {scale} must be a finite number")
-    from convert.t2i_adapter import read_config
+    from convert.t2i_adapter import local_config
 
     for spec in args.t2i_adapter:
-        if Path(spec).is_dir():
-            read_config(Path(spec), f"--t2i-adapter {spec}")
+        if Path(spec).exists():
+            local_config(Path(spec), f"--t2i-adapter {spec}")
     return [read_picture(path, "--t2i-adapter-image") for path in args.t2i_adapter_image]
 
 

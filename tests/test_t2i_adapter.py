@@ -183,3 +183,49 @@ def test_hub_id_fp16_variant_and_strict_loading(tmp_path, monkeypatch):
         load_t2i_adapter(tmp_path / "repo")
     with pytest.raises(SdxError, match="no such folder"):
         load_t2i_adapter(tmp_path / "nowhere")
+
+
+def _original_state(model, kind: str) -> dict[str, np.ndarray]:
+    """`model`'s weights under the original release's keys: diffusers' scripts/convert_original_t2i_adapter.py
+    renaming, backwards (full: adapter.body.L.resnets.R -> body.(2L + R), adapter.body.L.in_conv ->
+    body.2L.in_conv; light: adapter.body.L.resnets.R -> body.L.body.R)."""
+    out = {}
+    for key, value in model.state_dict().items():
+        parts = key.removeprefix("adapter.").split(".")
+        if parts[0] == "body" and kind == "full":
+            level = int(parts[1])
+            first = 2 * level + (int(parts[3]) if parts[2] == "resnets" else 0)
+            parts = ["body", str(first), *(parts[4:] if parts[2] == "resnets" else parts[2:])]
+        elif parts[0] == "body" and parts[2] == "resnets":
+            parts = ["body", parts[1], "body", *parts[3:]]
+        out[".".join(parts)] = value.numpy()
+    return out
+
+
+@pytest.mark.parametrize("kind, config", [
+    ("full", dict(in_channels=1, channels=[16, 32, 32], num_res_blocks=2, downscale_factor=8)),  # a sketch adapter
+    ("light", dict(channels=[16, 32], num_res_blocks=4, downscale_factor=8, adapter_type="light_adapter")),
+])
+def test_original_single_files_load_as_diffusers_converts_them(kind, config, tmp_path):
+    """An original release's file (a .pth pickle, as TencentARC published them; its .safetensors twin): the
+    architecture read from its shapes, the weights renamed as diffusers' conversion script renames them; the
+    feature maps equal diffusers' model's."""
+    torch_model = _torch_adapter(config)
+    state = _original_state(torch_model, kind)
+    torch.save({k: torch.from_numpy(v) for k, v in state.items()}, tmp_path / "adapter.pth")
+    io.write_safetensors(tmp_path / "adapter.safetensors", sorted(state.items()))
+    image = np.random.default_rng(1).random((1, config.get("in_channels", 3), 40, 56), dtype=np.float32)
+    with torch.no_grad():
+        refs = [r.numpy() for r in torch_model(torch.from_numpy(image))]
+    for name in ("adapter.pth", "adapter.safetensors"):
+        model = load_t2i_adapter(tmp_path / name)
+        assert model.config == T2IAdapterConfig.from_diffusers_config(dict(torch_model.config))
+        for out, ref in zip(nnx.jit(lambda m, x: m(x))(model, _nhwc(image)), refs, strict=True):
+            np.testing.assert_allclose(_nchw(out), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    del state["body.1.block2.bias" if kind == "full" else "body.1.body.3.block2.bias"]
+    io.write_safetensors(tmp_path / "cut.safetensors", sorted(state.items()))
+    with pytest.raises(SdxError, match="block2.bias"):
+        load_t2i_adapter(tmp_path / "cut.safetensors")
+    io.write_safetensors(tmp_path / "other.safetensors", [("model.diffusion_model.conv_in.weight", np.zeros(1))])
+    with pytest.raises(SdxError, match="not a T2I-Adapter file"):
+        load_t2i_adapter(tmp_path / "other.safetensors")

@@ -10,7 +10,7 @@ the UNet from a control image (sketch, depth, pose, ...) given per sample in `--
     python -m sdx.sample --model stable-diffusion-xl-base-1.0 --t2i-adapter t2iadapter-fill50k \\
         --t2i-adapter-image cond.png --prompt "red circle with blue background"
 
-The adapter starts as `--adapter_model_name_or_path` (a diffusers T2I-Adapter folder or hub id), or as
+The adapter starts as `--adapter_model_name_or_path` (what `--t2i-adapter` reads), or as
 diffusers' script builds it, drawn as torch initialises its convolutions: for SDXL its full_adapter_xl
 ((320, 640, 1280, 1280), 2 resnets a block, pixel-unshuffle 16); for another UNet the same rule on its widths
 (`default_config`; SD 1.x/2.x: diffusers' default full_adapter, unshuffle 8). Images are resized and
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from convert.t2i_adapter import load_t2i_adapter, read_config, resolve_t2i_adapter
+from convert.t2i_adapter import load_t2i_adapter, local_config, resolve_t2i_adapter
 from pipelines import t2i_adapter as pipeline_adapter
 from pipelines.t2i_adapter import AdapterImage
 from sdx import mesh as meshlib
@@ -121,8 +121,8 @@ def open_data(cfg: TrainConfig) -> sources.Source:
     checked (nothing loaded) before any model."""
     if cfg.adapter_model_name_or_path:
         spec = cfg.adapter_model_name_or_path
-        folder = resolve_t2i_adapter(spec, cache_dir=cfg.cache_dir, flag=FLAG)
-        check_trainable(read_config(folder, f"{FLAG} {spec}"), cfg.resolution, spec)
+        path = resolve_t2i_adapter(spec, cache_dir=cfg.cache_dir, flag=FLAG)
+        check_trainable(local_config(path, f"{FLAG} {spec}"), cfg.resolution, spec)
     return controlnet.control_data(cfg)
 
 
