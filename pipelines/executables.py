@@ -11,9 +11,12 @@ and schedule), the shapes, dtypes, weak types, shardings and layouts of its argu
 options, and the environment it was compiled in (the sdx source, the versions of Python, numpy, jax,
 jaxlib, flax, optax and ml_dtypes, every `jax.config` value, `XLA_FLAGS`,
 the devices). Anything in a key that has no stable text (an array, a lambda, an object printed by
-address, a class or function from a module that is neither this repository's nor a keyed library's,
-such as a researcher's own block) makes the program uncachable here: it is compiled as usual, and JAX's
-own cache (keyed by the lowered program) still applies.
+address) makes the program uncachable here: it is compiled as usual, and JAX's own cache (keyed by the
+lowered program) still applies. So does code that is not what this repository's files hold, since the
+source digest would not see it, with one warning line each: a class or function from a module that is
+neither this repository's nor a keyed library's (a researcher's own block or processor), and, for every
+program of the process, any of sdx's functions, classes, methods or constants replaced after import
+(`pipelines.source_check`: a patched `UpBlock2D.__call__`).
 A program that also takes another's outputs (the sampler's denoise takes prepare's) names that program's
 key instead of their shardings (`path_of(..., after=)`), so `prefetch` can read both files at once.
 An abstract argument (`jax.ShapeDtypeStruct` with a sharding) has the same text as an array of its shape,
@@ -54,6 +57,7 @@ from flax import nnx
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+from pipelines import source_check
 from sdx import io
 from sdx.errors import SdxError
 
@@ -65,6 +69,20 @@ MAX_BYTES = 2 * 2**30  # the folder's size while jax_compilation_cache_max_size 
 
 class Unkeyable(Exception):
     """A value with no text that is the same in every process."""
+
+
+class ForeignCode(Unkeyable):
+    """A class or function whose code the key cannot see: from outside this repository and the keyed libraries."""
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(what: str) -> None:
+    if what not in _WARNED:
+        _WARNED.add(what)
+        print(f"warning: {what} read from or kept in the disk cache (they compile as usual; JAX's own cache, keyed by "
+              "the traced program, still applies)", file=sys.stderr)
 
 
 KEYED = "keyed"  # `compile`'s default: the file `path_of` gives for all of `compile`'s own arguments
@@ -199,7 +217,8 @@ def abstract_model(kind, config, compute) -> nnx.Module:
     try:
         text = "\n".join((environment(), _text(kind), _text(config), _text(compute)))
         path = where / f"model-{hashlib.sha256(text.encode()).hexdigest()}"
-    except Unkeyable:
+    except Unkeyable as e:
+        _warn_foreign(e)
         path = None
     if path is not None and path.is_file():
         try:
@@ -216,12 +235,32 @@ def abstract_model(kind, config, compute) -> nnx.Module:
 
 def folder() -> Path | None:
     """Where executables are kept: `executables/` in JAX's cache folder; None when that is off (a size
-    cap of 0 included) or when several processes share the run."""
+    cap of 0 included), when several processes share the run, or when this process changed sdx's code
+    (`source_check.first_change`, with one warning line)."""
     jax_folder = jax.config.jax_compilation_cache_dir
     if (not jax_folder or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1
             or jax.config.jax_compilation_cache_max_size == 0):
         return None
+    change = code_change()
+    if change is not None:
+        _warn_once(f"{change}: this process changed sdx's code after importing it, so no compiled program is")
+        return None
     return Path(jax_folder) / "executables"
+
+
+def code_change() -> str | None:
+    """What this process changed in sdx's code after importing it (`source_check.first_change`, its facts
+    kept beside the programs), or None. `folder` itself is where programs go, not what they are (tests
+    point it elsewhere)."""
+    jax_folder = jax.config.jax_compilation_cache_dir
+    name = f"source-{hashlib.sha256(_installed().encode()).hexdigest()[:32]}"  # the sdx source's digest among the rest
+    store = Path(jax_folder) / "executables" / name if jax_folder else None
+    return source_check.first_change(PACKAGES, ROOT, ignore=frozenset({f"{__name__}.folder"}), store=store)
+
+
+def _warn_foreign(e: Unkeyable) -> None:
+    if isinstance(e, ForeignCode):
+        _warn_once(f"{e} is not sdx's code, so the compiled programs that use it are not")
 
 
 def path_of(fn: functools.partial, args: tuple, jit_options: dict, compiler_options: dict | None = None,
@@ -237,7 +276,8 @@ def path_of(fn: functools.partial, args: tuple, jit_options: dict, compiler_opti
         return None
     try:
         text = "\n".join((environment(), _text(fn), _text(jit_options), _text(compiler_options), _arguments(args)))
-    except Unkeyable:
+    except Unkeyable as e:
+        _warn_foreign(e)
         return None
     if after is not None:
         text += f"\nafter {after.name}"
@@ -378,7 +418,7 @@ def _name(obj) -> str:
     if "<" in name:  # a lambda or a local function: its closure is not in its name
         raise Unkeyable(name)
     if module.split(".")[0] not in (*PACKAGES, *LIBRARIES):  # code whose changes no key would see
-        raise Unkeyable(name)
+        raise ForeignCode(name) if module else Unkeyable(name)
     return name
 
 
