@@ -401,6 +401,21 @@ def test_hub_dataset_read_offline_from_the_cache(tmp_path, monkeypatch, pairs_pa
         open_source(str(tmp_path / "nothing" / "here"), Columns.pix2pix())
 
 
+def test_a_missing_local_folder_that_reads_as_a_hub_id_is_reported_as_both(tmp_path, monkeypatch):
+    """`--dataset_name data/captions` before the folder is made: not "the hub could not be reached" alone."""
+    from huggingface_hub import constants
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SdxError) as e:
+        open_source("data/captions", Columns.text_to_image(), cache_dir=tmp_path / "hub")
+    message = str(e.value)
+    print(message)
+    assert message.startswith(f"dataset data/captions: there is no such local folder or file ({tmp_path}/data/captions)")
+    assert "as a hub dataset id: hub dataset 'data/captions': not in the local cache" in message
+    assert "a local folder (parquet files, or images with metadata.jsonl), a .parquet file, or a hub dataset id" in message
+
+
 def test_max_train_samples_keeps_diffusers_rows(captions_parquet):
     path, _, _ = captions_parquet
     source = open_source(path, Columns.text_to_image(), max_samples=4, seed=7)

@@ -591,7 +591,12 @@ def _open(spec, columns: Columns, *, cache_dir, revision) -> Source:
 
     if not looks_like_repo_id(str(spec)):
         raise SdxError(f"dataset {spec}: no such file or folder (nor a hub dataset id org/name)")
-    folder = fetch_hub_dataset(str(spec), revision=revision, cache_dir=cache_dir)
+    try:
+        folder = fetch_hub_dataset(str(spec), revision=revision, cache_dir=cache_dir)
+    except SdxError as e:  # `data/captions` reads as a hub id too: say that it is not here either
+        raise SdxError(f"dataset {spec}: there is no such local folder or file ({path.absolute()}), and as a hub dataset "
+                       f"id: {e}. A dataset is a local folder (parquet files, or images with metadata.jsonl), a "
+                       ".parquet file, or a hub dataset id org/name") from None
     files = parquet_files(folder, str(spec))
     if not files:
         raise SdxError(f"hub dataset {spec!r} has no parquet files; read its parquet conversion with revision "
