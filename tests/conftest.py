@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests import processes
+from tests.strict_skips import pytest_configure, pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401
 
 processes.configure_this_process()
 

@@ -416,6 +416,7 @@ def _cached(array: np.ndarray) -> float:
     return sum(v & 1 for v in vec) / pages
 
 
+@pytest.mark.allow_skip
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="tensors are used in place on a CPU only")
 def test_a_tensor_used_in_place_is_read_ahead_unmapped_unless_it_is_an_embedding_table(tmp_path):
     """Loading has the OS read an in-place tensor's file pages into its page cache (several tensors at once:
@@ -440,6 +441,7 @@ def test_a_tensor_used_in_place_is_read_ahead_unmapped_unless_it_is_an_embedding
     assert _file_pages() - before > 30 * 2**20, "mapped once used"
 
 
+@pytest.mark.allow_skip
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="tensors are used in place on a CPU only")
 def test_loading_a_vae_reads_the_decoder_s_pages_ahead_and_the_encoder_s_on_use(tmp_path, monkeypatch):
     """Text-to-image never runs the VAE's encoder (`AutoencoderKL.READ_ON_USE`): its parameters are used in
