@@ -4,17 +4,22 @@
 seeded random weights and the built-in CLIP vocabulary, and writes it once as an sdx folder in the
 cache. It shows the whole path (tokenizer, text encoders, sampler loop, VAE, PNG) end to end on any
 machine; its pictures are noise-like, since nothing was trained. (The trained default models are
-`pipelines.default_models`.)
+`pipelines.default_models`.) Unlike a model at its initialisation, every norm scale and bias of a demo
+model is drawn too (`varied`), so that the tests which run them see a scale or bias that a conversion,
+a loader or a module drops.
 
-`random_parts` and `write_pipeline` are also how `python -m train.init` starts a model from scratch.
+`random_parts` and `write_pipeline` are also how `python -m train.init` starts a model from scratch (at
+the standard initialisation: scales 1, biases 0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 from flax import nnx
 
 from sdx import model_folder, presets
@@ -50,10 +55,31 @@ def write_pipeline(out: Path, preset: presets.Preset, parts: Mapping[str, model_
         )
 
 
+def varied(part: model_folder.ModelPart, rng: np.random.Generator) -> model_folder.ModelPart:
+    """`part` with every norm scale drawn as 1 + N(0, 0.1²) and every bias as N(0, 0.1²) (the standard
+    initialisation sets them to 1 and 0, which hides a dropped scale or bias); kernels and embeddings kept."""
+    def draw(path: str, array: np.ndarray) -> np.ndarray:
+        leaf = path.rpartition(".")[2]
+        if leaf not in ("scale", "bias"):
+            return array
+        mean = 1.0 if leaf == "scale" else 0.0
+        return (mean + 0.1 * rng.standard_normal(array.shape)).astype(array.dtype)
+
+    return dataclasses.replace(part, arrays={path: draw(path, a) for path, a in sorted(part.arrays.items())})
+
+
+# part of a demo folder's name: bump it when the weights a seed gives change, so that a folder an earlier
+# version built in the cache is not taken for the new one
+REVISION = 2
+
+
 def demo_folder(name: str, cache: Path, seed: int = 0) -> Path:
-    """The sdx folder of demo model `name`, built on first use under `cache`."""
-    out = cache / f"demo-{name}-seed{seed}"
+    """The sdx folder of demo model `name`, built on first use under `cache`: `random_parts` of the preset,
+    `varied` (from the same seed)."""
+    out = cache / f"demo-{name}-seed{seed}-r{REVISION}"
     if model_folder.is_model_folder(out):
         return out
     preset = presets.get(name)
-    return write_pipeline(out, preset, random_parts(preset, seed), overwrite=True)
+    rng = np.random.default_rng(seed)
+    parts = {comp: varied(part, rng) for comp, part in random_parts(preset, seed).items()}
+    return write_pipeline(out, preset, parts, overwrite=True)
