@@ -41,7 +41,25 @@ def make_mesh(fsdp: int = 1, devices=None) -> Mesh:
     if fsdp < 1 or len(devices) % fsdp:
         raise SdxError(f"--fsdp {fsdp} must divide the number of devices ({len(devices)})")
     grid = np.array(devices).reshape(len(devices) // fsdp, fsdp)  # (data, fsdp)
-    return Mesh(grid, (DATA, FSDP))
+    mesh = Mesh(grid, (DATA, FSDP))
+    if grid.flat[0].platform == "cpu" and len({d.process_index for d in grid.flat}) > 1:
+        _connect(mesh)
+    return mesh
+
+
+def _connect(mesh: Mesh) -> None:
+    """One collective over each device group of `mesh` (each axis, and both), now, while the processes that
+    share it are in step (every one makes the mesh). XLA:CPU opens a group's gloo connections at the group's
+    first collective and waits there at most 30 s for the other processes, while later collectives wait as
+    long as they need; left to the first program that reduces over the group (a training step, which each
+    process reaches after compiling it), two processes whose compiles end more than 30 s apart fail ("Gloo
+    context initialization failed: DEADLINE_EXCEEDED"), as a loaded 2-core host showed."""
+    ones = jax.make_array_from_process_local_data(batch_sharding(mesh, 1), np.ones(
+        sum(d.process_index == jax.process_index() for d in mesh.devices.flat), np.float32))  # one per device
+    spec = P((DATA, FSDP))
+    for axes in (DATA, FSDP, (DATA, FSDP)):
+        jax.block_until_ready(jax.jit(jax.shard_map(lambda x, axes=axes: jax.lax.psum(x, axes), mesh=mesh,
+                                                    in_specs=spec, out_specs=spec))(ones))
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

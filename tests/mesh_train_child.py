@@ -5,11 +5,15 @@
 trains into OUT/a; with --resume also copies OUT/a's step-2 checkpoint into OUT/b and resumes there.
 Every parameter of the tiny model is split over fsdp (sdx splits only tensors of 2**18 elements or
 more, which a tiny model has none of); the child checks the training state really is split, and that the
-models were built knowing the batch is split over the 4 devices (`Compute.batch_shards`)."""
+models were built knowing the batch is split over the 4 devices (`Compute.batch_shards`).
+
+It prints every thread's Python stack on SIGUSR1 (what tests/test_train_e2e.py asks for when the job stalls)."""
 
 from __future__ import annotations
 
+import faulthandler
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -44,6 +48,7 @@ models.computes = _computes
 out, rest = Path(sys.argv[1]), sys.argv[2:]
 resume = rest[:1] == ["--resume"]
 flags = rest[1:] if resume else rest
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 assert pix2pix.train([*flags, "--output_dir", str(out / "a")]) == 0
 if resume:
     (out / "b" / "checkpoints").mkdir(parents=True)

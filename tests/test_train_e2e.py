@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -114,33 +116,38 @@ def _mesh_run(model, data, out: Path, *extra: str, resume: bool, processes: int 
     test process has one device), joined as one JAX job when there are several; `extra`: more flags.
 
     Several processes reduce over gloo, XLA's CPU collectives (a test harness: real hosts use NCCL or the
-    TPU interconnect), which on a loaded 2-core machine has stalled (once, in a full-suite run) with every process
-    waiting in a collective. A stalled job is killed after `STALL` seconds (a normal one takes about 60)
-    and started once more from scratch, so the test fails on wrong numbers and on a second stall only."""
+    TPU interconnect). XLA:CPU opens a device group's gloo connections at the group's first collective and
+    waits there at most 30 s for the other processes. This job used to stall now and then on a loaded
+    2-core machine: the first collectives over most groups came in the first training step, right after
+    each process had compiled it (about 50 s when both compile at once on an idle 2-core machine), and
+    where the two compiles ended more than 30 s apart the first process failed ("Gloo context
+    initialization failed: DEADLINE_EXCEEDED") and waited in JAX's shutdown barrier, the other in the
+    step's collective, until the barrier's 5 minutes were out: with a 40 s delay put into one process's
+    compile of the step, the job ended after 389 s (it takes about 100), past `STALL`. A mesh over several
+    processes' CPU devices now connects every group as it is made (`sdx.mesh.make_mesh`), and with the same
+    delay the job passed. A job that still does not end within `STALL` seconds fails, with each process's
+    log and Python stacks."""
     # JAX's persistent cache on, as `python -m train.pix2pix` has it: the resumed run loads the step the first compiled
     env = child_env(devices=4 // processes,
                     JAX_COMPILATION_CACHE_DIR=str(out.parent / f"jax-cache-{processes}"))
+    if processes > 1:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes))
     argv = [sys.executable, str(Path(__file__).with_name("mesh_train_child.py")), str(out), *(["--resume"] if resume else []),
             "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data), "--fsdp", "2",
             *FLAGS, "--train_batch_size", "1", *extra]  # per device: 4 samples a step over data 2 x fsdp 2
-    for attempt in range(2 if processes > 1 else 1):
-        if processes > 1:
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(processes))
-        shutil.rmtree(out, ignore_errors=True)
-        if _run_processes(argv, env, out, processes):
-            return
-        print(f"the {processes}-process job stalled in a collective for {STALL} s; starting it again")
-    raise AssertionError(f"the {processes}-process job stalled twice; logs in {out}")
+    _run_processes(argv, env, out, processes)
 
 
-STALL = 300
+STALL = 300  # seconds; the two-process job takes about 100 on an idle 2-core machine
 
 
-def _run_processes(argv, env, out: Path, processes: int) -> bool:
-    """Run `argv` as `processes` processes of one job; False if they did not finish within STALL seconds."""
+def _run_processes(argv, env, out: Path, processes: int) -> None:
+    """Run `argv` as `processes` processes of one job, each logging to OUT/processI.log. Fails as soon as one
+    of them fails (with its log: the others may then wait for it in a collective), or when the job has not
+    ended after `STALL` seconds (with every process's log, ending in its threads' Python stacks)."""
     # each process logs to a file: with pipes read one after the other, a process blocked on a full pipe
     # would stall the collective the other one waits in
     out.mkdir(parents=True, exist_ok=True)
@@ -150,17 +157,26 @@ def _run_processes(argv, env, out: Path, processes: int) -> bool:
         with log.open("w") as sink:
             procs.append(subprocess.Popen(argv, cwd=Path(__file__).resolve().parent.parent, stdout=sink,
                                           stderr=subprocess.STDOUT, env={**env, "JAX_PROCESS_ID": str(i)}))
+    tail = lambda i: f"process {i}'s log ({logs[i]}), its end:\n{logs[i].read_text()[-4000:]}"
+    deadline = time.monotonic() + STALL
     try:
-        for p in procs:
-            p.wait(timeout=STALL)
-    except subprocess.TimeoutExpired:
-        return False
+        while None in [p.poll() for p in procs]:  # (every one polled: that sets its returncode)
+            failed = [i for i, p in enumerate(procs) if p.returncode not in (None, 0)]
+            assert not failed, f"process {failed[0]} failed (exit status {procs[failed[0]].returncode}); " + tail(failed[0])
+            if time.monotonic() > deadline:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGUSR1)  # the child prints every thread's Python stack
+                time.sleep(3)
+                raise AssertionError(f"the {processes}-process job did not end within {STALL} s; "
+                                     + "\n".join(tail(i) for i in range(processes)))
+            time.sleep(0.5)
     finally:
         for p in procs:
             p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log.read_text()[-4000:]
-    return True
+            p.wait()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed (exit status {p.returncode}); {tail(i)}"
 
 
 def test_a_mesh_resumes_exactly_and_two_hosts_train_as_one(setup):
