@@ -11,9 +11,10 @@ its feature maps times its scale are summed over the adapters (diffusers' MultiA
   when it differs, in [0, 1] with no normalisation, RGB, or grayscale (PIL's "L") for a one-channel adapter
   (diffusers' `_preprocess_adapter_image`).
 - The adapters act in the first int(N x factor) model calls that run (diffusers' adapter_conditioning_factor),
-  N being the steps, or, when --denoising-end cuts the schedule, the calls that run (diffusers' rule: it
-  counts the steps after the cut). sdx also lets them guide img2img and inpainting, where the calls count
-  from the first that runs.
+  N being, for SDXL, the steps, or, when --denoising-end cuts the schedule, the calls that run (diffusers' rule: it
+  counts the steps after the cut); for SD, the model calls of the schedule (diffusers' SD adapter pipeline has no
+  factor and acts at every call: PNDM, SD's scheduler, makes one call more than the steps). sdx also lets them
+  guide img2img and inpainting, where the calls count from the first that runs.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def fit_image(picture: PIL.Image.Image, size: tuple[int, int], channels: int) ->
 
 def gates(factor: float, steps: int, begin: int, end: int, cut: bool) -> np.ndarray:
     """(end - begin,) float32: 1 at the model calls of [begin, end) the adapters act in, 0 after (see the
-    module doc; `cut`: --denoising-end cut the schedule)."""
+    module doc; `steps`: N when the schedule is not cut; `cut`: --denoising-end cut the schedule)."""
     n = end - begin if cut else steps
     return (np.arange(end - begin) < int(n * factor)).astype(np.float32)
 

@@ -4,10 +4,12 @@ from the same initial noise.
 
 Each ControlNet is diffusers' `ControlNetModel.from_unet` of the tiny pipeline's UNet with every
 parameter moved off its value and random zero convolutions (so the residuals change the picture, which
-each test checks), saved as a diffusers folder. The control image is an edge-like map of another size than the generation, so the
-resize and the size rule (text-to-image takes the control image's size, rounded down to a multiple of the
-VAE's factor) are covered.
-img2img and inpainting draw their VAE posteriors as in test_pipelines.py / test_inpaint.py.
+each test checks), saved as a diffusers folder. The control image is an edge-like map of another size than the
+generation, so the resize and the size rule (text-to-image takes the control image's size, rounded down to a
+multiple of the VAE's factor) are covered.
+img2img and inpainting draw their VAE posteriors as in test_pipelines.py / test_inpaint.py. Latents and images
+are compared as there (`tests.tiny_models.assert_parity`), and each test shows that its ControlNets and their
+flags move the result (`assert_effect`, against diffusers' output without them).
 """
 
 from __future__ import annotations
@@ -28,16 +30,15 @@ from sdx.layers import Attention
 from sdx.sample import main
 from tests.test_inpaint import mask_file
 from tests.test_pipelines import (  # noqa: F401 (tiny: the fixture)
-    assert_images_close,
     diffusers_noise,
     input_image,
     latent_shape,
     noise_file,
-    run_cli,
+    reference,
+    sample,
     tiny,
-    to_uint8,
 )
-from tests.tiny_models import perturb
+from tests.tiny_models import Output, assert_effect, assert_parity, perturb
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -87,21 +88,13 @@ def control_image(tmp_path, size=(90, 75), seed=0, name="control.png") -> tuple[
     return str(path), picture
 
 
-def assert_same(ours: np.ndarray, ref: np.ndarray) -> None:
-    """diffusers' image to 8-bit rounding: the ControlNets move these pictures by several levels on average,
-    so a residual scaled or routed wrongly shows far above this bar."""
-    assert_images_close(ours, ref)
-    diff = np.abs(ours.astype(np.int32) - ref.astype(np.int32))
-    assert diff.max() <= 1 and diff.mean() <= 0.01
-
-
-def _with_noise(pipe, module_name: str, noise, **kwargs) -> np.ndarray:
+def _with_noise(pipe, module_name: str, noise, **kwargs) -> Output:
     """`pipe(**kwargs)` drawing `noise` where its module draws (img2img, inpainting) and zeros for the VAE's
-    posterior samples; images (N, H, W, 3) in [0, 1]."""
+    posterior samples (`reference`'s output)."""
     import importlib
 
     with diffusers_noise(importlib.import_module(f"diffusers.pipelines.controlnet.{module_name}"), noise):
-        return pipe(num_inference_steps=STEPS, output_type="np", **kwargs).images
+        return reference(pipe, num_inference_steps=STEPS, **kwargs)
 
 
 def test_sd_text_to_image_takes_the_control_image_size(tiny, controlnet, tmp_path):
@@ -111,19 +104,20 @@ def test_sd_text_to_image_takes_the_control_image_size(tiny, controlnet, tmp_pat
     f = pipe.vae_scale_factor
     h, w = 75 // f * f, 90 // f * f
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, h, w))
-    ref = diffusers.StableDiffusionControlNetPipeline(**pipe.components, controlnet=net)(
-        prompt="a castle", image=picture, latents=noise, num_inference_steps=STEPS, guidance_scale=7.5,
-        controlnet_conditioning_scale=0.7, control_guidance_start=0.2, control_guidance_end=0.8, output_type="np",
-    ).images
-    ours = run_cli(tmp_path, folder, "--prompt", "a castle", "--controlnet", str(net_folder), "--control-image", path,
-                   "--controlnet-conditioning-scale", "0.7", "--control-guidance-start", "0.2",
-                   "--control-guidance-end", "0.8", "--steps", str(STEPS), "--latents", str(latents))
-    assert ours.shape == (1, h, w, 3)
-    assert_same(ours, to_uint8(ref))
-    # the ControlNet changes the picture: without it the same noise gives another one
-    plain = run_cli(tmp_path / "plain", folder, "--prompt", "a castle", "--height", str(h), "--width", str(w),
-                    "--steps", str(STEPS), "--latents", str(latents))
-    assert np.abs(plain.astype(np.int32) - ours.astype(np.int32)).mean() > 2
+    guided = diffusers.StableDiffusionControlNetPipeline(**pipe.components, controlnet=net)
+    run = dict(prompt="a castle", latents=noise, num_inference_steps=STEPS, guidance_scale=7.5)
+    window = dict(image=picture, controlnet_conditioning_scale=0.7, control_guidance_start=0.2, control_guidance_end=0.8)
+    ref = reference(guided, **run, **window)
+    ours = sample(tmp_path, folder, "--prompt", "a castle", "--controlnet", str(net_folder), "--control-image", path,
+                  "--controlnet-conditioning-scale", "0.7", "--control-guidance-start", "0.2",
+                  "--control-guidance-end", "0.8", "--steps", str(STEPS), "--latents", str(latents))
+    assert ours.images.shape == (1, h, w, 3)
+    assert_parity(ours, ref)
+    scaled = lambda scale: reference(guided, **run, **{**window, "controlnet_conditioning_scale": scale})
+    assert_effect("--controlnet (against its scale 0)", ref, scaled(0.0))  # the plain pipeline takes multiples of 8
+    assert_effect("--controlnet-conditioning-scale 0.7 (against 1)", ref, scaled(1.0))
+    assert_effect("--control-guidance-start 0.2 --control-guidance-end 0.8 (against 0 and 1)", ref,
+                  reference(guided, **run, **{**window, "control_guidance_start": 0.0, "control_guidance_end": 1.0}))
 
 
 def test_sd_multi_controlnet_in_guess_mode(tiny, controlnet, tmp_path):
@@ -135,17 +129,21 @@ def test_sd_multi_controlnet_in_guess_mode(tiny, controlnet, tmp_path):
     path_b, picture_b = control_image(tmp_path, (48, 80), seed=1, name="control_b.png")  # resized to 64x64
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
     multi = diffusers.StableDiffusionControlNetPipeline(**pipe.components, controlnet=[net_a, net_b])
-    ref = multi(prompt="a bridge", negative_prompt="rain", image=[picture_a, picture_b], height=64, width=64,
-                latents=noise, num_inference_steps=STEPS, guidance_scale=6.0, guess_mode=True,
-                controlnet_conditioning_scale=[1.2, 0.6], control_guidance_start=[0.0, 0.4],
-                control_guidance_end=[0.6, 1.0], output_type="np").images
-    ours = run_cli(tmp_path, folder, "--prompt", "a bridge", "--negative-prompt", "rain",
-                   "--controlnet", str(folder_a), "--control-image", path_a,
-                   "--controlnet", str(folder_b), "--control-image", path_b,
-                   "--controlnet-conditioning-scale", "1.2", "0.6", "--control-guidance-start", "0", "0.4",
-                   "--control-guidance-end", "0.6", "1", "--guess-mode", "--height", "64", "--width", "64",
-                   "--guidance-scale", "6", "--steps", str(STEPS), "--latents", str(latents))
-    assert_same(ours, to_uint8(ref))
+    run = dict(prompt="a bridge", negative_prompt="rain", image=[picture_a, picture_b], height=64, width=64,
+               latents=noise, num_inference_steps=STEPS, guidance_scale=6.0, guess_mode=True,
+               controlnet_conditioning_scale=[1.2, 0.6], control_guidance_start=[0.0, 0.4],
+               control_guidance_end=[0.6, 1.0])
+    ref = reference(multi, **run)
+    ours = sample(tmp_path, folder, "--prompt", "a bridge", "--negative-prompt", "rain",
+                  "--controlnet", str(folder_a), "--control-image", path_a,
+                  "--controlnet", str(folder_b), "--control-image", path_b,
+                  "--controlnet-conditioning-scale", "1.2", "0.6", "--control-guidance-start", "0", "0.4",
+                  "--control-guidance-end", "0.6", "1", "--guess-mode", "--height", "64", "--width", "64",
+                  "--guidance-scale", "6", "--steps", str(STEPS), "--latents", str(latents))
+    assert_parity(ours, ref)
+    assert_effect("--guess-mode", ref, reference(multi, **{**run, "guess_mode": False}))
+    assert_effect("the second ControlNet (against its scale 0)", ref,
+                  reference(multi, **{**run, "controlnet_conditioning_scale": [1.2, 0.0]}))
 
 
 def test_sdxl_text_to_image(tiny, controlnet, tmp_path):
@@ -153,13 +151,12 @@ def test_sdxl_text_to_image(tiny, controlnet, tmp_path):
     net, net_folder = controlnet("sdxl")
     path, picture = control_image(tmp_path, (64, 64))
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    ref = diffusers.StableDiffusionXLControlNetPipeline(**pipe.components, controlnet=net)(
-        prompt="a lighthouse", image=picture, latents=noise, num_inference_steps=STEPS, guidance_scale=5.0,
-        output_type="np",
-    ).images
-    ours = run_cli(tmp_path, folder, "--prompt", "a lighthouse", "--controlnet", str(net_folder),
-                   "--control-image", path, "--steps", str(STEPS), "--latents", str(latents))
-    assert_same(ours, to_uint8(ref))
+    run = dict(prompt="a lighthouse", latents=noise, num_inference_steps=STEPS, guidance_scale=5.0)
+    ref = reference(diffusers.StableDiffusionXLControlNetPipeline(**pipe.components, controlnet=net), image=picture, **run)
+    ours = sample(tmp_path, folder, "--prompt", "a lighthouse", "--controlnet", str(net_folder),
+                  "--control-image", path, "--steps", str(STEPS), "--latents", str(latents))
+    assert_parity(ours, ref)
+    assert_effect("--controlnet", ref, reference(pipe, **run, height=64, width=64))
 
 
 def test_sd_img2img_at_diffusers_default_scale(tiny, controlnet, tmp_path):
@@ -169,12 +166,15 @@ def test_sd_img2img_at_diffusers_default_scale(tiny, controlnet, tmp_path):
     path, picture = control_image(tmp_path, (64, 64))
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
     img2img = diffusers.StableDiffusionControlNetImg2ImgPipeline(**pipe.components, controlnet=net)
-    ref = _with_noise(img2img, "pipeline_controlnet_img2img", noise, prompt="a meadow", image=image,
-                      control_image=picture, strength=0.6, guidance_scale=7.5)  # conditioning scale 0.8
-    ours = run_cli(tmp_path, folder, "--prompt", "a meadow", "--image", str(image_path), "--strength", "0.6",
-                   "--controlnet", str(net_folder), "--control-image", path, "--steps", str(STEPS),
-                   "--latents", str(latents))
-    assert_same(ours, to_uint8(ref))
+    run = lambda **scale: _with_noise(img2img, "pipeline_controlnet_img2img", noise, prompt="a meadow", image=image,
+                                      control_image=picture, strength=0.6, guidance_scale=7.5, **scale)
+    ref = run()  # conditioning scale 0.8
+    ours = sample(tmp_path, folder, "--prompt", "a meadow", "--image", str(image_path), "--strength", "0.6",
+                  "--controlnet", str(net_folder), "--control-image", path, "--steps", str(STEPS),
+                  "--latents", str(latents))
+    assert_parity(ours, ref)
+    assert_effect("--controlnet (against its scale 0)", ref, run(controlnet_conditioning_scale=0.0))
+    assert_effect("the default scale 0.8 (against 1)", ref, run(controlnet_conditioning_scale=1.0))
 
 
 def test_sd_inpainting_by_blending(tiny, controlnet, tmp_path):
@@ -185,12 +185,14 @@ def test_sd_inpainting_by_blending(tiny, controlnet, tmp_path):
     path, picture = control_image(tmp_path, (64, 64))
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
     inpaint = diffusers.StableDiffusionControlNetInpaintPipeline(**pipe.components, controlnet=net)
-    ref = _with_noise(inpaint, "pipeline_controlnet_inpaint", noise, prompt="a pond", image=image, mask_image=mask,
-                      control_image=picture, strength=0.7, guidance_scale=7.5)  # conditioning scale 0.5
-    ours = run_cli(tmp_path, folder, "--prompt", "a pond", "--image", str(image_path), "--mask", mask_path,
-                   "--strength", "0.7", "--controlnet", str(net_folder), "--control-image", path,
-                   "--steps", str(STEPS), "--latents", str(latents))
-    assert_same(ours, to_uint8(ref))
+    run = lambda **scale: _with_noise(inpaint, "pipeline_controlnet_inpaint", noise, prompt="a pond", image=image,
+                                      mask_image=mask, control_image=picture, strength=0.7, guidance_scale=7.5, **scale)
+    ref = run()  # conditioning scale 0.5
+    ours = sample(tmp_path, folder, "--prompt", "a pond", "--image", str(image_path), "--mask", mask_path,
+                  "--strength", "0.7", "--controlnet", str(net_folder), "--control-image", path,
+                  "--steps", str(STEPS), "--latents", str(latents))
+    assert_parity(ours, ref)
+    assert_effect("the default scale 0.5 (against 1)", ref, run(controlnet_conditioning_scale=1.0))
 
 
 def test_sdxl_inpainting_model(tiny, controlnet, tmp_path):
@@ -202,12 +204,14 @@ def test_sdxl_inpainting_model(tiny, controlnet, tmp_path):
     path, picture = control_image(tmp_path, (64, 64))
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
     inpaint = diffusers.StableDiffusionXLControlNetInpaintPipeline(**pipe.components, controlnet=net)
-    ref = _with_noise(inpaint, "pipeline_controlnet_inpaint_sd_xl", noise, prompt="a dune", image=image,
-                      mask_image=mask, control_image=picture, guidance_scale=5.0)  # strength 0.9999, scale 1.0
-    ours = run_cli(tmp_path, folder, "--prompt", "a dune", "--image", str(image_path), "--mask", mask_path,
-                   "--controlnet", str(net_folder), "--control-image", path, "--steps", str(STEPS),
-                   "--latents", str(latents))
-    assert_same(ours, to_uint8(ref))
+    run = lambda **scale: _with_noise(inpaint, "pipeline_controlnet_inpaint_sd_xl", noise, prompt="a dune", image=image,
+                                      mask_image=mask, control_image=picture, guidance_scale=5.0, **scale)
+    ref = run()  # strength 0.9999, scale 1.0
+    ours = sample(tmp_path, folder, "--prompt", "a dune", "--image", str(image_path), "--mask", mask_path,
+                  "--controlnet", str(net_folder), "--control-image", path, "--steps", str(STEPS),
+                  "--latents", str(latents))
+    assert_parity(ours, ref)
+    assert_effect("--controlnet (against its scale 0)", ref, run(controlnet_conditioning_scale=0.0))
 
 
 @pytest.mark.parametrize("model, args, words", [

@@ -4,7 +4,9 @@ and StableDiffusionXLInpaintPipeline on tiny random models: 9-channel inpainting
 
 diffusers draws the VAE posterior samples of the image and of the masked image too: as in
 test_pipelines.py, the tiny VAE gets a posterior standard deviation of exp(-15) and diffusers' posterior
-draws are zeros, so both sides encode to the posterior mean; the noise diffusers draws is ours.
+draws are zeros, so both sides encode to the posterior mean; the noise diffusers draws is ours. Latents and
+images are compared as there (`tests.tiny_models.assert_parity`), and each test shows that its mask and flags
+move the result (`assert_effect`; a mirrored mask stands for another one).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from PIL import Image, ImageDraw
 
 from sdx.sample import main
 from tests.test_pipelines import (  # noqa: F401 (tiny: the fixture)
-    assert_images_close,
     diffusers_noise,
     input_image,
     latent_shape,
     noise_file,
+    reference,
     run_cli,
+    sample,
     tiny,
-    to_uint8,
 )
+from tests.tiny_models import Output, assert_effect, assert_parity
 
 STEPS = 5
 
@@ -41,8 +44,8 @@ def mask_file(tmp_path, size=(64, 64)) -> tuple[str, Image.Image]:
     return str(path), mask
 
 
-def _inpaint(kind, pipe, image, mask, noise, *, blur=0, **kwargs) -> np.ndarray:
-    """diffusers' inpainting pipeline for `pipe`'s components, drawing `noise`; images (N, H, W, 3) in [0, 1]."""
+def _inpaint(kind, pipe, image, mask, noise, *, blur=0, **kwargs) -> Output:
+    """diffusers' inpainting pipeline for `pipe`'s components, drawing `noise` (`reference`'s output)."""
     import diffusers
     import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as sd_module
     import diffusers.pipelines.stable_diffusion_xl.pipeline_stable_diffusion_xl_inpaint as xl_module
@@ -53,8 +56,12 @@ def _inpaint(kind, pipe, image, mask, noise, *, blur=0, **kwargs) -> np.ndarray:
     if blur:
         mask = inpaint.mask_processor.blur(mask, blur_factor=blur)
     with diffusers_noise(xl_module if xl else sd_module, noise):
-        return inpaint(image=image, mask_image=mask, height=64, width=64, num_inference_steps=STEPS,
-                       output_type="np", **kwargs).images
+        return reference(inpaint, image=image, mask_image=mask, height=64, width=64, num_inference_steps=STEPS, **kwargs)
+
+
+def mirrored(mask: Image.Image) -> Image.Image:
+    """Another mask of the same area: `mask` mirrored left to right."""
+    return mask.transpose(Image.FLIP_LEFT_RIGHT)
 
 
 @pytest.mark.parametrize("strength", [1.0, 0.6])
@@ -64,10 +71,14 @@ def test_sd_inpainting_model(tiny, tmp_path, strength):
     image_path = str(image_path)
     mask_path, mask = mask_file(tmp_path)
     path, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    ref = _inpaint("sd15_inpaint", pipe, image, mask, noise, prompt="a harbour", strength=strength, guidance_scale=7.5)
-    ours = run_cli(tmp_path, folder, "--prompt", "a harbour", "--image", image_path, "--mask", mask_path,
-                   "--strength", str(strength), "--steps", str(STEPS), "--guidance-scale", "7.5", "--latents", str(path))
-    assert_images_close(ours, to_uint8(ref))
+    run = lambda mask=mask, strength=strength: _inpaint("sd15_inpaint", pipe, image, mask, noise, prompt="a harbour",
+                                                        strength=strength, guidance_scale=7.5)
+    ref = run()
+    ours = sample(tmp_path, folder, "--prompt", "a harbour", "--image", image_path, "--mask", mask_path,
+                  "--strength", str(strength), "--steps", str(STEPS), "--guidance-scale", "7.5", "--latents", str(path))
+    assert_parity(ours, ref)
+    assert_effect("--mask (against it mirrored)", ref, run(mask=mirrored(mask)))
+    assert_effect(f"--strength {strength} (against 0.8)", ref, run(strength=0.8))
 
 
 @pytest.mark.parametrize("strength, blur", [(1.0, 0), (0.7, 3)])
@@ -77,15 +88,19 @@ def test_sd_ordinary_model_blends_the_known_region(tiny, tmp_path, strength, blu
     image_path = str(image_path)
     mask_path, mask = mask_file(tmp_path, size=(96, 80))  # resized to the image, as diffusers does
     path, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    ref = _inpaint("sd15", pipe, image, mask, noise, blur=blur, prompt="a garden", strength=strength,
-                   guidance_scale=6.0)
-    ours = run_cli(tmp_path, folder, "--prompt", "a garden", "--image", image_path, "--mask", mask_path,
-                   "--mask-blur", str(blur), "--strength", str(strength), "--steps", str(STEPS),
-                   "--guidance-scale", "6", "--latents", str(path))
-    assert_images_close(ours, to_uint8(ref))
+    run = lambda mask=mask, blur=blur: _inpaint("sd15", pipe, image, mask, noise, blur=blur, prompt="a garden",
+                                                strength=strength, guidance_scale=6.0)
+    ref = run()
+    ours = sample(tmp_path, folder, "--prompt", "a garden", "--image", image_path, "--mask", mask_path,
+                  "--mask-blur", str(blur), "--strength", str(strength), "--steps", str(STEPS),
+                  "--guidance-scale", "6", "--latents", str(path))
+    assert_parity(ours, ref)
+    assert_effect("--mask (against it mirrored)", ref, run(mask=mirrored(mask)))
+    if blur:
+        assert_effect(f"--mask-blur {blur}", ref, run(blur=0))
     # outside the mask the picture is the input's, through the VAE: far closer to it than inside
     keep = np.asarray(mask.resize((64, 64), Image.LANCZOS)) < 128
-    err = np.abs(ours[0].astype(np.int32) - np.asarray(image, np.int32)).mean(-1)
+    err = np.abs(ours.images[0].astype(np.int32) - np.asarray(image, np.int32)).mean(-1)
     assert err[keep].mean() < err[~keep].mean()
 
 
@@ -95,10 +110,12 @@ def test_sdxl_inpainting_model_at_diffusers_default_strength(tiny, tmp_path):
     image_path = str(image_path)
     mask_path, mask = mask_file(tmp_path)
     path, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    ref = _inpaint("sdxl_inpaint", pipe, image, mask, noise, prompt="a lighthouse", guidance_scale=5.0)  # 0.9999
-    ours = run_cli(tmp_path, folder, "--prompt", "a lighthouse", "--image", image_path, "--mask", mask_path,
-                   "--steps", str(STEPS), "--latents", str(path))
-    assert_images_close(ours, to_uint8(ref))
+    run = lambda mask: _inpaint("sdxl_inpaint", pipe, image, mask, noise, prompt="a lighthouse", guidance_scale=5.0)  # 0.9999
+    ref = run(mask)
+    ours = sample(tmp_path, folder, "--prompt", "a lighthouse", "--image", image_path, "--mask", mask_path,
+                  "--steps", str(STEPS), "--latents", str(path))
+    assert_parity(ours, ref)
+    assert_effect("--mask (against it mirrored)", ref, run(mirrored(mask)))
 
 
 def test_sdxl_ordinary_model_with_guidance_rescale(tiny, tmp_path):
@@ -107,12 +124,16 @@ def test_sdxl_ordinary_model_with_guidance_rescale(tiny, tmp_path):
     image_path = str(image_path)
     mask_path, mask = mask_file(tmp_path)
     path, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    ref = _inpaint("sdxl", pipe, image, mask, noise, prompt="a boat", negative_prompt="fog", strength=0.8,
-                   guidance_scale=4.0, guidance_rescale=0.5)
-    ours = run_cli(tmp_path, folder, "--prompt", "a boat", "--negative-prompt", "fog", "--image", image_path,
-                   "--mask", mask_path, "--strength", "0.8", "--steps", str(STEPS), "--guidance-scale", "4",
-                   "--guidance-rescale", "0.5", "--latents", str(path))
-    assert_images_close(ours, to_uint8(ref))
+    # a strong guidance, for the rescale to move the masked region by far more than the bar
+    run = lambda mask=mask, rescale=0.7: _inpaint("sdxl", pipe, image, mask, noise, prompt="a boat", negative_prompt="fog",
+                                                  strength=0.8, guidance_scale=12.0, guidance_rescale=rescale)
+    ref = run()
+    ours = sample(tmp_path, folder, "--prompt", "a boat", "--negative-prompt", "fog", "--image", image_path,
+                  "--mask", mask_path, "--strength", "0.8", "--steps", str(STEPS), "--guidance-scale", "12",
+                  "--guidance-rescale", "0.7", "--latents", str(path))
+    assert_parity(ours, ref)
+    assert_effect("--mask (against it mirrored)", ref, run(mask=mirrored(mask)))
+    assert_effect("--guidance-rescale 0.7", ref, run(rescale=0.0))
 
 
 def test_an_image_does_not_change_with_the_batch_size(tiny, tmp_path):
@@ -192,19 +213,22 @@ def test_crop_region_fill_and_overlay_equal_diffusers(size, pad):
 
 
 def test_padding_mask_crop_repaints_a_crop_and_pastes_it_back(tiny, tmp_path):
+    import diffusers
+    import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as module
+
     pipe, folder = tiny("sd15_inpaint")
     image_path, image = input_image(tmp_path, size=96)
     mask_path, mask = mask_file(tmp_path, size=(96, 96))
     path, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 48))
-    import diffusers
-    import diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion_inpaint as module
-
+    inpaint = diffusers.StableDiffusionInpaintPipeline(**pipe.components)
+    run = lambda pad: reference(inpaint, prompt="a harbour", image=image, mask_image=mask, height=64, width=48,
+                                padding_mask_crop=pad, num_inference_steps=STEPS, strength=0.8, guidance_scale=7.5,
+                                output_type="pil")
     with diffusers_noise(module, noise):
-        ref = diffusers.StableDiffusionInpaintPipeline(**pipe.components)(
-            prompt="a harbour", image=image, mask_image=mask, height=64, width=48, padding_mask_crop=6,
-            num_inference_steps=STEPS, strength=0.8, guidance_scale=7.5, output_type="pil").images[0]
-    ours = run_cli(tmp_path, folder, "--prompt", "a harbour", "--image", str(image_path), "--mask", mask_path,
-                   "--padding-mask-crop", "6", "--height", "64", "--width", "48", "--strength", "0.8",
-                   "--steps", str(STEPS), "--latents", str(path))
-    assert ours.shape == (1, 96, 96, 3)
-    assert_images_close(ours, np.asarray(ref)[None])
+        ref, wider = run(6), run(20)
+    ours = sample(tmp_path, folder, "--prompt", "a harbour", "--image", str(image_path), "--mask", mask_path,
+                  "--padding-mask-crop", "6", "--height", "64", "--width", "48", "--strength", "0.8",
+                  "--steps", str(STEPS), "--latents", str(path))
+    assert ours.images.shape == (1, 96, 96, 3)
+    assert_parity(ours, ref)
+    assert_effect("--padding-mask-crop 6 (against 20)", ref, wider)

@@ -5,7 +5,9 @@ random models, from the same initial noise.
 Each adapter is a random file in the original layout for the tiny pipeline's UNet (`tests.test_ip_adapter`)
 with a tiny transformers CLIPVisionModelWithProjection saved beside it in `image_encoder/`, the layout of
 h94/IP-Adapter; the image prompt is a picture of another size and shape than the encoder's input, so the
-resize and crop are covered. Each test checks that the adapter changes the picture.
+resize and crop are covered. Latents and images are compared as in test_pipelines.py
+(`tests.tiny_models.assert_parity`), and each test shows that the adapter and its scale move the result
+(`assert_effect`, against diffusers' output without them).
 """
 
 from __future__ import annotations
@@ -28,15 +30,14 @@ from sdx.errors import SdxError
 from sdx.sample import main
 from tests.test_ip_adapter import EMBED, adapter_file
 from tests.test_pipelines import (  # noqa: F401 (tiny: the fixture)
-    assert_images_close,
     input_image,
     latent_shape,
     noise_file,
-    run_cli,
+    reference,
+    sample,
     tiny,
-    to_uint8,
 )
-from tests.tiny_models import perturb
+from tests.tiny_models import assert_effect, assert_parity, perturb
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -69,10 +70,12 @@ def prompt_picture(tmp_path, size=(50, 37)) -> tuple[str, Image.Image]:
 
 
 def _diffusers(pipe, cls, root, scale: float):
-    reference = cls(**{**pipe.components, "image_encoder": None, "feature_extractor": None})
-    reference.load_ip_adapter(str(root), subfolder="", weight_name="ip-adapter.safetensors")
-    reference.set_ip_adapter_scale(scale)
-    return reference
+    """`cls` over pipe's components with the adapter in `root` loaded (into pipe's own UNet: `unload_ip_adapter`
+    when done)."""
+    adapted = cls(**{**pipe.components, "image_encoder": None, "feature_extractor": None})
+    adapted.load_ip_adapter(str(root), subfolder="", weight_name="ip-adapter.safetensors")
+    adapted.set_ip_adapter_scale(scale)
+    return adapted
 
 
 @pytest.mark.parametrize("kind,model,adapter,scale", [
@@ -88,38 +91,47 @@ def test_text_to_image_matches_diffusers(tiny, tmp_path, kind, model, adapter, s
     weights = adapter_folder(pipe, adapter, root)
     path, picture = prompt_picture(tmp_path)
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 2, 64, 64))
-    reference = _diffusers(pipe, getattr(diffusers, model), root, scale)
     negative = {"negative_prompt": ["dark", "blurry"]} if kind == "sd15" else {}
-    ref = reference(prompt=["a lighthouse", "a red kite"], ip_adapter_image=picture, latents=noise,
-                    num_inference_steps=STEPS, height=64, width=64, output_type="np", **negative).images
+    run = dict(prompt=["a lighthouse", "a red kite"], latents=noise, num_inference_steps=STEPS, height=64, width=64,
+               **negative)
+    plain = reference(pipe, **run)
+    adapted = _diffusers(pipe, getattr(diffusers, model), root, scale)
+    ref = reference(adapted, ip_adapter_image=picture, **run)
+    adapted.set_ip_adapter_scale(1.0)
+    everywhere = reference(adapted, ip_adapter_image=picture, **run)
+    adapted.unload_ip_adapter()
     args = ["--prompt", "a lighthouse", "a red kite", "--steps", str(STEPS), "--height", "64", "--width", "64",
             "--latents", str(latents)]
     if negative:
         args += ["--negative-prompt", "dark", "blurry"]
-    ours = run_cli(tmp_path, folder, *args, "--ip-adapter", str(weights), "--ip-adapter-image", path,
-                   "--ip-adapter-scale", json.dumps(scale))
-    assert_images_close(ours, to_uint8(ref))
-    plain = run_cli(tmp_path / "plain", folder, *args)
-    assert np.abs(plain.astype(np.int32) - ours.astype(np.int32)).mean() > 2
+    ours = sample(tmp_path, folder, *args, "--ip-adapter", str(weights), "--ip-adapter-image", path,
+                  "--ip-adapter-scale", json.dumps(scale))
+    assert_parity(ours, ref)
+    assert_effect("--ip-adapter", ref, plain)
+    assert_effect(f"--ip-adapter-scale {json.dumps(scale)} (against 1)", ref, everywhere)
 
 
 def test_instruct_pix2pix_reads_no_image_in_both_negative_branches(tiny, tmp_path):
     pipe, folder = tiny("pix2pix")
-    pipe.scheduler = diffusers.EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    scheduler = diffusers.EulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    euler = type(pipe)(**{**pipe.components, "scheduler": scheduler})
     root = tmp_path / "adapter"
     root.mkdir()
     weights = adapter_folder(pipe, IP.PLAIN, root, seed=3)
     image_path, image = input_image(tmp_path)
     path, picture = prompt_picture(tmp_path, (31, 64))
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    reference = _diffusers(pipe, diffusers.StableDiffusionInstructPix2PixPipeline, root, 0.8)
-    ref = reference("make it snowy", image=image, ip_adapter_image=picture, num_inference_steps=STEPS,
-                    guidance_scale=7.0, image_guidance_scale=1.7, latents=noise, output_type="np").images
-    ours = run_cli(tmp_path, folder, "--prompt", "make it snowy", "--image", str(image_path), "--steps", str(STEPS),
-                   "--guidance-scale", "7", "--image-guidance-scale", "1.7", "--latents", str(latents),
-                   "--scheduler", "euler", "--ip-adapter", str(weights), "--ip-adapter-image", path,
-                   "--ip-adapter-scale", "0.8")
-    assert_images_close(ours, to_uint8(ref))
+    run = dict(image=image, num_inference_steps=STEPS, guidance_scale=7.0, image_guidance_scale=1.7, latents=noise)
+    plain = reference(euler, "make it snowy", **run)
+    adapted = _diffusers(euler, diffusers.StableDiffusionInstructPix2PixPipeline, root, 0.8)
+    ref = reference(adapted, "make it snowy", ip_adapter_image=picture, **run)
+    adapted.unload_ip_adapter()
+    ours = sample(tmp_path, folder, "--prompt", "make it snowy", "--image", str(image_path), "--steps", str(STEPS),
+                  "--guidance-scale", "7", "--image-guidance-scale", "1.7", "--latents", str(latents),
+                  "--scheduler", "euler", "--ip-adapter", str(weights), "--ip-adapter-image", path,
+                  "--ip-adapter-scale", "0.8")
+    assert_parity(ours, ref)
+    assert_effect("--ip-adapter", ref, plain)
 
 
 def test_scale_is_an_input_and_zero_is_no_adapter(tiny, tmp_path):
@@ -138,7 +150,9 @@ def test_scale_is_an_input_and_zero_is_no_adapter(tiny, tmp_path):
               for scale in (1.0, 0.5, 0.0)}
     assert adapted.sampler.compilations == 1
     np.testing.assert_array_equal(images[0.0], plain(request))
-    assert np.abs(images[1.0] - images[0.5]).max() > 0.01
+    moved = np.abs(images[1.0] - images[0.5]).mean()
+    print(f"scale 1 against 0.5 moves the images by {moved:.3f} mean (scale 0 against no adapter: equal)")
+    assert moved > 0.01
     with pytest.raises(SdxError, match="give the image it reads"):
         adapted(request)
     with pytest.raises(SdxError, match="has no IP-Adapter"):

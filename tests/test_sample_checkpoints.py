@@ -1,9 +1,9 @@
 """python -m sdx.sample on what people download: single-file checkpoints (--model file.safetensors
 --config FOLDER), LoRAs (--lora FILE:SCALE) and swapped VAEs (--vae), against diffusers.
 
-Images are compared as in tests/test_pipelines.py (same --latents, 8-bit mean abs diff <= 1 level),
-with its helpers. The tiny SD 1.x pipeline and its LoRA files come from tests/test_lora.py's LoraSet
-(made with peft; kohya and diffusers/PEFT formats).
+Latents and images are compared as in tests/test_pipelines.py (same --latents, `tests.tiny_models.assert_parity`),
+with its helpers; the LoRAs' effect against the model without them (`assert_effect`). The tiny SD 1.x pipeline and
+its LoRA files come from tests/test_lora.py's LoraSet (made with peft; kohya and diffusers/PEFT formats).
 """
 
 from __future__ import annotations
@@ -24,14 +24,8 @@ diffusers = pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from tests.test_lora import SCALE, LoraSet  # noqa: E402
-from tests.test_pipelines import (  # noqa: E402
-    assert_images_close,
-    latent_shape,
-    noise_file,
-    run_cli,
-    to_uint8,
-)
-from tests.tiny_models import make_tiny_pipeline  # noqa: E402
+from tests.test_pipelines import latent_shape, noise_file, reference, sample  # noqa: E402
+from tests.tiny_models import Output, assert_effect, assert_parity, make_tiny_pipeline  # noqa: E402
 
 STEPS = 2
 PROMPT = "a red fox in the snow"
@@ -48,16 +42,15 @@ def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-def reference(pipe, noise) -> np.ndarray:
-    images = pipe(PROMPT, negative_prompt="blurry", num_inference_steps=STEPS, guidance_scale=7.5, latents=noise,
-                  output_type="np", height=64, width=64).images
-    return to_uint8(images)
+def expected(pipe, noise) -> Output:
+    return reference(pipe, PROMPT, negative_prompt="blurry", num_inference_steps=STEPS, guidance_scale=7.5,
+                     latents=noise, height=64, width=64)
 
 
-def sample(tmp_path, model, latents, cache, *args) -> np.ndarray:
-    return run_cli(tmp_path, model, "--prompt", PROMPT, "--negative-prompt", "blurry", "--steps", str(STEPS),
-                   "--guidance-scale", "7.5", "--latents", str(latents), "--height", "64", "--width", "64",
-                   "--cache", str(cache), *args)
+def generate(tmp_path, model, latents, cache, *args) -> Output:
+    return sample(tmp_path, model, "--prompt", PROMPT, "--negative-prompt", "blurry", "--steps", str(STEPS),
+                  "--guidance-scale", "7.5", "--latents", str(latents), "--height", "64", "--width", "64",
+                  "--cache", str(cache), *args)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -74,12 +67,12 @@ def test_single_file_samples_like_the_original(lora_sd15, shared_cache, tmp_path
     path = tmp_path / "model.safetensors"
     assert cli.main([str(folder), str(path), "--format", "single-file", "-q"]) == 0
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    want = reference(pipe, noise)
+    want = expected(pipe, noise)
 
     theirs = type(pipe).from_single_file(str(path), config=str(folder), local_files_only=True)
-    assert_images_close(reference(theirs, noise), want)
-    ours = sample(tmp_path, path, latents, shared_cache, "--config", str(folder))
-    assert_images_close(ours, want)
+    assert_parity(expected(theirs, noise), want)
+    ours = generate(tmp_path, path, latents, shared_cache, "--config", str(folder))
+    assert_parity(ours, want)
 
     # converted once into the cache, keyed by the file: a changed file converts again
     models = shared_cache / "models"
@@ -100,17 +93,19 @@ def test_lora_sample_equals_diffusers_fuse(lora_sd15, shared_cache, tmp_path):
     """Two LoRAs (kohya and diffusers/PEFT files) at 0.7 each, as diffusers' load_lora_weights + fuse_lora."""
     lora = lora_sd15
     pipe = lora.cls.from_pretrained(lora.folder)
+    latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
+    plain = expected(pipe, noise)
     pipe.load_lora_weights(str(lora.kohya_file), adapter_name="kohya")
     pipe.load_lora_weights(str(lora.diffusers_file), adapter_name="peft")
     pipe.set_adapters(["kohya", "peft"], adapter_weights=[1.0, 1.0])
     pipe.fuse_lora(lora_scale=SCALE)
     pipe.unload_lora_weights()
-    latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    want = reference(pipe, noise)
+    want = expected(pipe, noise)
 
     loras = ["--lora", f"{lora.kohya_file}:{SCALE}", "--lora", f"{lora.diffusers_file}:{SCALE}"]
-    ours = sample(tmp_path, lora.folder, latents, shared_cache, *loras)
-    assert_images_close(ours, want)
+    ours = generate(tmp_path, lora.folder, latents, shared_cache, *loras)
+    assert_parity(ours, want)
+    assert_effect(f"two --lora at {SCALE}", want, plain)
 
     # the cache entry is keyed by the LoRA files and scales
     def cached(*args):

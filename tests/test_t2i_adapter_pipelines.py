@@ -6,6 +6,8 @@ adapter unshuffles by 2, SDXL's full_xl by 4), every parameter moved off its val
 folder. The pictures are edge-like maps; the first is of another size than the generation, so the resize and
 the size rule (text-to-image takes the adapter image's size, rounded down to the adapter's factor) are covered
 (odd latent sizes are tests/test_t2i_adapter.py's: diffusers' adapter pipelines take multiples of 8 only).
+Latents and images are compared as in test_pipelines.py (`tests.tiny_models.assert_parity`), and each test shows
+that its adapters and their flags move the result (`assert_effect`, against diffusers' output without them).
 """
 
 from __future__ import annotations
@@ -24,16 +26,16 @@ from pipelines.request import Request
 from pipelines.t2i_adapter import AdapterImage, fit_image
 from sdx import mesh as meshlib
 from sdx.sample import main
-from tests.test_controlnet_pipelines import assert_same, control_image
+from tests.test_controlnet_pipelines import control_image
 from tests.test_pipelines import (  # noqa: F401 (tiny: the fixture)
     input_image,
     latent_shape,
     noise_file,
-    run_cli,
+    reference,
+    sample,
     tiny,
-    to_uint8,
 )
-from tests.tiny_models import perturb
+from tests.tiny_models import Output, assert_effect, assert_parity, perturb
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -78,20 +80,16 @@ def test_sd_text_to_image_takes_the_adapter_image_size(tiny, adapter, tmp_path):
     h, w = 72, 88  # diffusers' adapter pipelines take multiples of 8 only: its size is given
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, h, w))
     components = {k: v for k, v in pipe.components.items() if k != "image_encoder"}
-    ref = diffusers.StableDiffusionAdapterPipeline(**components, adapter=model)(
-        prompt="a castle", image=picture, height=h, width=w, latents=noise, num_inference_steps=STEPS, guidance_scale=7.5,
-        adapter_conditioning_scale=2.5, output_type="np",
-    ).images
-    ours = run_cli(tmp_path, folder, "--prompt", "a castle", "--t2i-adapter", str(adapter_folder),
-                   "--t2i-adapter-image", path, "--t2i-adapter-scale", "2.5", "--steps", str(STEPS),
-                   "--latents", str(latents))
-    assert ours.shape == (1, h, w, 3)
-    assert_same(ours, to_uint8(ref))
-    # the adapter changes the picture: without it the same noise gives another one (diffusers' picture, the same
-    # as sdx's to 8-bit rounding, with no program to compile)
-    plain = to_uint8(pipe(prompt="a castle", height=h, width=w, latents=noise, num_inference_steps=STEPS,
-                          guidance_scale=7.5, output_type="np").images)
-    assert np.abs(plain.astype(np.int32) - ours.astype(np.int32)).mean() > 2
+    adapted = diffusers.StableDiffusionAdapterPipeline(**components, adapter=model)
+    run = dict(prompt="a castle", height=h, width=w, latents=noise, num_inference_steps=STEPS, guidance_scale=7.5)
+    ref = reference(adapted, image=picture, adapter_conditioning_scale=2.5, **run)
+    ours = sample(tmp_path, folder, "--prompt", "a castle", "--t2i-adapter", str(adapter_folder),
+                  "--t2i-adapter-image", path, "--t2i-adapter-scale", "2.5", "--steps", str(STEPS),
+                  "--latents", str(latents))
+    assert ours.images.shape == (1, h, w, 3)
+    assert_parity(ours, ref)
+    assert_effect("--t2i-adapter", ref, reference(pipe, **run))
+    assert_effect("--t2i-adapter-scale 2.5 (against 1)", ref, reference(adapted, image=picture, **run))
 
 
 def test_sd_two_adapters_one_gray_with_weights(tiny, adapter, tmp_path):
@@ -104,15 +102,17 @@ def test_sd_two_adapters_one_gray_with_weights(tiny, adapter, tmp_path):
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 2, 64, 64))
     components = {k: v for k, v in pipe.components.items() if k != "image_encoder"}
     multi = diffusers.StableDiffusionAdapterPipeline(**components, adapter=[rgb, gray])
-    ref = multi(prompt="a bridge", negative_prompt="rain", image=[picture_a, picture_b], height=64, width=64,
-                latents=noise, num_inference_steps=STEPS, guidance_scale=6.0, num_images_per_prompt=2,
-                adapter_conditioning_scale=[1.2, 0.6], output_type="np").images
-    ours = run_cli(tmp_path, folder, "--prompt", "a bridge", "--negative-prompt", "rain",
-                   "--t2i-adapter", str(rgb_folder), "--t2i-adapter-image", path_a,
-                   "--t2i-adapter", str(gray_folder), "--t2i-adapter-image", path_b,
-                   "--t2i-adapter-scale", "1.2", "0.6", "--height", "64", "--width", "64", "--num-images", "2",
-                   "--guidance-scale", "6", "--steps", str(STEPS), "--latents", str(latents))
-    assert_same(ours, to_uint8(ref))
+    run = lambda weights: reference(multi, prompt="a bridge", negative_prompt="rain", image=[picture_a, picture_b],
+                                    height=64, width=64, latents=noise, num_inference_steps=STEPS, guidance_scale=6.0,
+                                    num_images_per_prompt=2, adapter_conditioning_scale=weights)
+    ref = run([1.2, 0.6])
+    ours = sample(tmp_path, folder, "--prompt", "a bridge", "--negative-prompt", "rain",
+                  "--t2i-adapter", str(rgb_folder), "--t2i-adapter-image", path_a,
+                  "--t2i-adapter", str(gray_folder), "--t2i-adapter-image", path_b,
+                  "--t2i-adapter-scale", "1.2", "0.6", "--height", "64", "--width", "64", "--num-images", "2",
+                  "--guidance-scale", "6", "--steps", str(STEPS), "--latents", str(latents))
+    assert_parity(ours, ref)
+    assert_effect("the gray adapter (against its weight 0)", ref, run([1.2, 0.0]))
 
 
 def test_sdxl_conditioning_factor_over_a_cut_schedule(tiny, adapter, tmp_path):
@@ -123,22 +123,19 @@ def test_sdxl_conditioning_factor_over_a_cut_schedule(tiny, adapter, tmp_path):
     model, adapter_folder = adapter("sdxl")
     _, picture = control_image(tmp_path, (64, 48))
     noise = torch.randn(latent_shape(pipe, 1, 48, 64), generator=torch.Generator().manual_seed(0))
-    ref = diffusers.StableDiffusionXLAdapterPipeline(**pipe.components, adapter=model)(
+    adapted = diffusers.StableDiffusionXLAdapterPipeline(**pipe.components, adapter=model)
+    run = lambda factor: Output(None, adapted(
         prompt="a lighthouse", image=picture, height=48, width=64, latents=noise, num_inference_steps=8,
-        denoising_end=0.7, adapter_conditioning_factor=0.6, guidance_scale=5.0, output_type="latent",
-    ).images.numpy()
+        denoising_end=0.7, adapter_conditioning_factor=factor, guidance_scale=5.0, output_type="latent",
+    ).images.numpy().transpose(0, 2, 3, 1))  # NCHW -> NHWC
+    ref = run(0.6)
     ours_pipe = Pipeline.load(ensure_sdx_folder(folder, cache_dir=tmp_path), t2i_adapters=(str(adapter_folder),),
                               mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     request = Request(prompts=["a lighthouse"], height=48, width=64, steps=8, guidance_scale=5.0,
                       latents=noise.numpy(), denoising_end=0.7, output_latents=True, adapter_factor=0.6,
                       adapters=[AdapterImage(fit_image(picture, (48, 64), 3))])
-    ours = ours_pipe(request).transpose(0, 3, 1, 2)
-    err, scale = float(np.abs(ours - ref).max()), float(np.abs(ref).max())
-    print(f"sdxl latents: max abs err {err:.2e} (scale {scale:.2f})")
-    assert err <= 1e-4 * scale
-    # a factor of 0.5 acts in one call fewer: another result
-    fewer = ours_pipe(dataclasses.replace(request, adapter_factor=0.5)).transpose(0, 3, 1, 2)
-    assert np.abs(fewer - ours).max() > 100 * err
+    assert_parity(Output(None, ours_pipe(request)), ref)
+    assert_effect("--t2i-adapter-factor 0.6 (against 0.5: the adapter acts in one call fewer)", ref, run(0.5))
 
 
 def test_img2img_with_an_adapter(tiny, adapter, tmp_path):
@@ -159,8 +156,10 @@ def test_img2img_with_an_adapter(tiny, adapter, tmp_path):
                                                                                      scale)]))  # noqa: E731
     zero, guided = adapted(0.0), adapted(3.0)
     assert pipe.sampler.compilations == 2  # plain img2img's programs, then the adapter's for both scales
-    assert np.abs(zero - plain).max() < 1e-5
-    assert np.abs(guided - plain).mean() > 0.01
+    err, moved = np.abs(zero - plain).max(), np.abs(guided - plain).mean()
+    print(f"scale 0 against no adapter: max abs diff {err:.1e} (bar 1e-5); scale 3 moves the images by {moved:.3f} "
+          f"mean ({moved / 1e-5:.0f}x the bar)")
+    assert err < 1e-5 and moved > 0.01
 
 
 @pytest.mark.parametrize("model, args, words", [

@@ -2,12 +2,13 @@
 the token ids (multi-vector words expanded as `maybe_convert_prompt` does) against transformers' tokenizer with
 the words added, for both tokenizer layouts, and whole images through `python -m sdx.sample` on tiny random
 pipelines (SD 1.5 with the A1111 and diffusers layouts in the prompt and the negative prompt; SDXL with the
-clip_l/clip_g layout), from the same initial noise; and the file and option checks.
+clip_l/clip_g layout), from the same initial noise, latents and images compared as in test_pipelines.py
+(`tests.tiny_models.assert_parity`), the embeddings' effect against diffusers without them (`assert_effect`); and
+the file and option checks.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,8 +18,8 @@ from convert.textual_inversion import read_embedding
 from sdx import model_folder
 from sdx.errors import SdxError
 from sdx.sample import main
-from tests.test_pipelines import assert_images_close, latent_shape, noise_file, run_cli, tiny, to_uint8  # noqa: F401
-from tests.tiny_models import make_tiny_pipeline
+from tests.test_pipelines import latent_shape, noise_file, reference, sample, tiny  # noqa: F401 (tiny: the fixture)
+from tests.tiny_models import assert_effect, assert_parity, make_tiny_pipeline
 
 diffusers = pytest.importorskip("diffusers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -66,19 +67,20 @@ def test_token_ids_match_transformers(tmp_path, layout):
 def test_sd_images_match_diffusers(tiny, tmp_path):
     pipe, folder = tiny("sd15")
     files = embedding_files(tmp_path, pipe.text_encoder.config.hidden_size)
-    reference = diffusers.StableDiffusionPipeline(**pipe.components)
-    reference.load_textual_inversion(files["a1111"][0], token="<toy>")
-    reference.load_textual_inversion(files["diffusers"][0])
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    ref = reference(prompt="a <toy> in the snow", negative_prompt="<ugly>", latents=noise, num_inference_steps=STEPS,
-                    height=64, width=64, output_type="np").images
-    args = ["--prompt", "a <toy> in the snow", "--negative-prompt", "<ugly>", "--steps", str(STEPS), "--height", "64",
-            "--width", "64", "--latents", str(latents)]
-    ours = run_cli(tmp_path, folder, *args, "--embedding", f"{files['a1111'][0]}:<toy>", "--embedding",
-                   files["diffusers"][0])
-    assert_images_close(ours, to_uint8(ref))
-    plain = run_cli(tmp_path / "plain", folder, *args)  # the words are BPE pieces without the embeddings
-    assert np.abs(plain.astype(np.int32) - ours.astype(np.int32)).mean() > 2
+    run = dict(prompt="a <toy> in the snow", negative_prompt="<ugly>", latents=noise, num_inference_steps=STEPS,
+               height=64, width=64)
+    plain = reference(pipe, **run)  # the words are BPE pieces without the embeddings
+    words = diffusers.StableDiffusionPipeline(**pipe.components)
+    words.load_textual_inversion(files["a1111"][0], token="<toy>")
+    words.load_textual_inversion(files["diffusers"][0])
+    ref = reference(words, **run)
+    words.unload_textual_inversion()  # the fixture's tokenizer and text encoder, as they were
+    ours = sample(tmp_path, folder, "--prompt", "a <toy> in the snow", "--negative-prompt", "<ugly>", "--steps",
+                  str(STEPS), "--height", "64", "--width", "64", "--latents", str(latents),
+                  "--embedding", f"{files['a1111'][0]}:<toy>", "--embedding", files["diffusers"][0])
+    assert_parity(ours, ref)
+    assert_effect("--embedding (two files)", ref, plain)
 
 
 def test_sdxl_images_match_diffusers(tiny, tmp_path):
@@ -87,17 +89,19 @@ def test_sdxl_images_match_diffusers(tiny, tmp_path):
                "clip_g": _vectors(2, pipe.text_encoder_2.config.hidden_size, 4)}
     path = tmp_path / "<xl-style>.safetensors"
     safetensors_torch.save_file(vectors, str(path))
-    reference = diffusers.StableDiffusionXLPipeline(**pipe.components)
-    reference.load_textual_inversion(vectors["clip_l"], token="<xl-style>", text_encoder=reference.text_encoder,
-                                     tokenizer=reference.tokenizer)
-    reference.load_textual_inversion(vectors["clip_g"], token="<xl-style>", text_encoder=reference.text_encoder_2,
-                                     tokenizer=reference.tokenizer_2)
     latents, noise = noise_file(tmp_path, latent_shape(pipe, 1, 64, 64))
-    ref = reference(prompt="a house, <xl-style>", latents=noise, num_inference_steps=STEPS, height=64, width=64,
-                    output_type="np").images
-    ours = run_cli(tmp_path, folder, "--prompt", "a house, <xl-style>", "--steps", str(STEPS), "--height", "64", "--width",
-                   "64", "--latents", str(latents), "--embedding", str(path))  # the token: the file's name
-    assert_images_close(ours, to_uint8(ref))
+    run = dict(prompt="a house, <xl-style>", latents=noise, num_inference_steps=STEPS, height=64, width=64)
+    plain = reference(pipe, **run)
+    words = diffusers.StableDiffusionXLPipeline(**pipe.components)
+    words.load_textual_inversion(vectors["clip_l"], token="<xl-style>", text_encoder=words.text_encoder,
+                                 tokenizer=words.tokenizer)
+    words.load_textual_inversion(vectors["clip_g"], token="<xl-style>", text_encoder=words.text_encoder_2,
+                                 tokenizer=words.tokenizer_2)
+    ref = reference(words, **run)
+    ours = sample(tmp_path, folder, "--prompt", "a house, <xl-style>", "--steps", str(STEPS), "--height", "64", "--width",
+                  "64", "--latents", str(latents), "--embedding", str(path))  # the token: the file's name
+    assert_parity(ours, ref)
+    assert_effect("--embedding (clip_l and clip_g)", ref, plain)
 
 
 def test_files_and_options(tiny, tmp_path, capsys):
