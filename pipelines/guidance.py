@@ -6,6 +6,12 @@ Three kinds, picked per request by `choose` (a kind is static: a new one compile
 - `ClassifierFree` (Ho & Salimans 2022): [negative, text];
 - `InstructPix2Pix` (Brooks et al. 2023): [text + image, negative + image, negative + no image].
 
+More are guiders of their own files that wrap the chosen one (`Guidance.around`): Perturbed-Attention
+Guidance (`pipelines.pag`, a branch whose self-attentions are perturbed) and Self-Attention Guidance
+(`pipelines.sag`, a second model call on blurred latents). A guider is an `sdx.interventions.Intervention`:
+it may place attention processors on the UNet (`install`), its fields named in `traced` are inputs of the
+compiled programs (a new PAG scale compiles nothing), and `predict` is its whole model call.
+
 Each owns the UNet batch layout: branch k of image j is row j * branches + k (image-major), so when
 the batch is split over a mesh an image's branches stay on the device that holds the image, and the
 guidance combination needs no communication.
@@ -18,14 +24,17 @@ dropout swaps in the same. Zeros let the UNet skip those rows' cross-attentions 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from pipelines import text
 from pipelines.family import Family
+from sdx import interventions
+from sdx.errors import SdxError
+from sdx.interventions import Intervention
 from sdx.layers import BlankRows
 
 
@@ -55,25 +64,70 @@ class Scales:
     rescale: jax.Array
 
 
-def _interleave(*branches: Conditioning) -> Conditioning:
-    """n branches of B rows -> one batch of B * n rows, row j * n + k being branch k of image j."""
+def interleave(*branches):
+    """n branches of B rows (Conditionings or arrays) -> one batch of B * n rows, row j * n + k being branch k
+    of image j."""
     n = len(branches)
     return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(xs[0].shape[0] * n, *xs[0].shape[1:]), *branches)  # (B*n, ...)
 
 
-def _split(out: jax.Array, n: int) -> list[jax.Array]:
-    """The inverse of `_interleave` for the UNet's output: (B * n, ...) -> n arrays of (B, ...)."""
-    out = out.reshape(out.shape[0] // n, n, *out.shape[1:])  # (B, n, ...)
-    return [out[:, k] for k in range(n)]
+def deinterleave(batch, n: int) -> list:
+    """The inverse of `interleave`: a batch (an array or a Conditioning) of B * n rows -> its n branches of B."""
+    group = lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:])  # (B, n, ...)
+    return [jax.tree.map(lambda a, k=k: group(a)[:, k], batch) for k in range(n)]
+
+
+def branch_rows(batch, n: int, branches: tuple[int, ...]):
+    """The rows of `branches` of a batch of n branches (a Conditioning or an array of B * n rows) -> B *
+    len(branches) rows, image-major."""
+    def pick(a):
+        rows = a.shape[0] // n * len(branches)
+        return a.reshape(a.shape[0] // n, n, *a.shape[1:])[:, list(branches)].reshape(rows, *a.shape[1:])
+
+    return jax.tree.map(pick, batch)
 
 
 @dataclasses.dataclass(frozen=True)
-class Guidance:
+class Step:
+    """One model call of the sampler as a guider sees it (made while the denoise program is traced).
+
+    model(x_in, branches=None): the UNet's output, float32, for x_in the guidance batch's input (`model_input`'s
+    rows), or with `branches` for those branches' rows alone (x_in of B * len(branches) rows, none shared);
+    latents (B, h, w, C) float32: the sample before the scheduler scales it; model_input: `model_input` of the
+    scaled latents; timestep (); state, scheduler: the scheduler's; scales: the request's `Scales`."""
+
+    model: Callable[..., jax.Array]
+    latents: jax.Array
+    model_input: jax.Array
+    timestep: jax.Array
+    state: Any
+    scheduler: Any
+    scales: Scales
+
+
+@dataclasses.dataclass(frozen=True)
+class Guidance(Intervention):
     """The base: `conditioning` stacks the branches into the UNet batch, `model_input` stacks the
-    latents the same way, `combine` turns the UNet's output back into one prediction per image."""
+    latents the same way, `combine` turns the UNet's output back into one prediction per image, and
+    `predict` is the whole of one model call (the UNet on the batch, then `combine`)."""
 
     branches: ClassVar[int] = 1
     negative_branches: ClassVar[tuple[int, ...]] = ()  # the branches that read the negative prompt's text
+    per_row: ClassVar[bool] = False
+
+    @property
+    def text_branch(self) -> int:
+        """The branch that reads the prompt alone (no image channels taken away): the last by default."""
+        return self.branches - 1
+
+    def around(self, chosen: Guidance) -> Guidance:
+        """The guider a request runs when it asks for this one and its scales pick `chosen` (`choose`): this
+        one; a guider that wraps another (PAG, SAG) takes `chosen` as its inner one."""
+        return self
+
+    def predict(self, step: Step) -> jax.Array:
+        """The prediction (B, h, w, C) float32 of one model call."""
+        return self.combine(step.model(step.model_input), step.scales)
 
     def conditioning(self, text: Conditioning, negative: Conditioning | None) -> Conditioning:
         raise NotImplementedError
@@ -120,7 +174,7 @@ class ClassifierFree(Guidance):
     negative_branches: ClassVar[tuple[int, ...]] = (0,)
 
     def conditioning(self, text, negative):
-        return _interleave(negative, text)
+        return interleave(negative, text)
 
     def shared(self, family):
         """Both branches, unless the time embedding reads the pooled text (SDXL): an inpainting model's
@@ -128,8 +182,38 @@ class ClassifierFree(Guidance):
         return 1 if family.xl else self.branches
 
     def combine(self, out, scales):
-        uncond, cond = _split(out, 2)
+        uncond, cond = deinterleave(out, 2)
         return rescale(uncond + scales.text * (cond - uncond), cond, scales.rescale)
+
+
+class Around(Guidance):
+    """The base of a guider that adds to the one a request's scales choose, `Unguided` or `ClassifierFree`
+    (PAG, SAG): a subclass has the field `inner`, None until `around` sets it, and the message `refused` for
+    any other guider; its batch is the inner one's unless it says otherwise."""
+
+    refused: ClassVar[str] = ""
+
+    def around(self, chosen: Guidance) -> Guidance:
+        if self.inner is not None:
+            return self
+        if not isinstance(chosen, (Unguided, ClassifierFree)):
+            raise SdxError(self.refused)
+        return dataclasses.replace(self, inner=chosen)
+
+    @property
+    def branches(self) -> int:
+        return self.inner.branches
+
+    @property
+    def negative_branches(self) -> tuple[int, ...]:
+        return self.inner.negative_branches
+
+    @property
+    def text_branch(self) -> int:
+        return self.inner.text_branch
+
+    def conditioning(self, text, negative):
+        return self.inner.conditioning(text, negative)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,23 +223,45 @@ class InstructPix2Pix(Guidance):
 
     branches: ClassVar[int] = 3
     negative_branches: ClassVar[tuple[int, ...]] = (1, 2)
+    text_branch: ClassVar[int] = 0
 
     def conditioning(self, text, negative):
         with_image = dataclasses.replace(negative, time_ids=text.time_ids, image=text.image)
         no_image = dataclasses.replace(with_image, image=jnp.zeros_like(text.image))
-        return _interleave(text, with_image, no_image)
+        return interleave(text, with_image, no_image)
 
     def combine(self, out, scales):
-        cond, image, uncond = _split(out, 3)
+        cond, image, uncond = deinterleave(out, 3)
         guided = uncond + scales.text * (cond - image) + scales.image * (image - uncond)
         return rescale(guided, cond, scales.rescale)
 
 
 def choose(family: Family, guidance_scale: float, image_guidance_scale: float) -> Guidance:
-    """diffusers' rule: guidance runs when guidance_scale > 1 and, for InstructPix2Pix, image_guidance_scale >= 1."""
-    if guidance_scale <= 1.0 or (family.pix2pix and image_guidance_scale < 1.0):
+    """diffusers' rule: guidance runs when guidance_scale > 1 and, for InstructPix2Pix, image_guidance_scale >= 1,
+    and never for a UNet that embeds the scale itself (an LCM UNet: `pipelines.sampler` hands it the scale)."""
+    if family.guidance_embedded or guidance_scale <= 1.0 or (family.pix2pix and image_guidance_scale < 1.0):
         return Unguided()
     return InstructPix2Pix() if family.pix2pix else ClassifierFree()
+
+
+def of_request(family: Family, guidance_scale: float, image_guidance_scale: float, asked: Guidance | None) -> Guidance:
+    """The guider a request runs: the one `choose` picks, or the one it asks for around it (`Guidance.around`)."""
+    chosen = choose(family, guidance_scale, image_guidance_scale)
+    return chosen if asked is None else asked.around(chosen)
+
+
+def check_request(guider: Guidance, request, pipe) -> None:
+    """Check `guider` against the request and pipeline (`Guidance.check`) and place its and the request's
+    interventions on the pipeline's UNet once, in Python, so that a pattern that selects nothing or a model
+    they cannot act on fails in the user's terms before anything is compiled."""
+    for one in (guider, *request.interventions):
+        one.check(request, pipe)
+    interventions.installed(pipe.sampler.models["unet"], (guider, *request.interventions))
+
+
+def shared_rows(guider: Guidance, asked: tuple[Intervention, ...], family: Family) -> int:
+    """`guider.shared(family)`, or 1 when an intervention reads the batch's rows by their place (`per_row`)."""
+    return 1 if any(one.per_row for one in asked) else guider.shared(family)
 
 
 def rescale(guided: jax.Array, text: jax.Array, phi: jax.Array) -> jax.Array:
@@ -176,16 +282,17 @@ def rescale(guided: jax.Array, text: jax.Array, phi: jax.Array) -> jax.Array:
 
 
 def negative_conditioning(
-    family: Family, encoders: Mapping, ids: Mapping[str, jax.Array], zero: jax.Array, dtype
+    family: Family, encoders: Mapping, ids: Mapping[str, jax.Array], zero: jax.Array, dtype,
+    weighting: text.Weighting = text.PLAIN, weights: Mapping[str, text.TokenWeights] | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """The negative branch's (context (B, S, D), pooled (B, P) or None) from the negative prompts' ids
-    {encoder: (B, chunks, 77)}; rows where `zero` (B,) bool is set are zeros (no negative prompt and
+    {encoder: (B, chunks, 77)} and token weights (`text.encode`); rows where `zero` (B,) bool is set are zeros (no negative prompt and
     SDXL's force_zeros_for_empty_prompt). When every row is, the text encoders do not run (a `lax.cond`:
     SDXL's prepare at 256² on a 2-core CPU, 2.09-2.18 → 1.28-1.30 s). No clip skip: diffusers encodes negatives
     without it."""
 
     def encoded():
-        context, pooled = text.encode(family, encoders, ids, None, dtype)
+        context, pooled = text.encode(family, encoders, ids, None, dtype, weighting, weights)
         context = jnp.where(zero[:, None, None], jnp.zeros_like(context), context)
         if pooled is not None:
             pooled = jnp.where(zero[:, None], jnp.zeros_like(pooled), pooled)

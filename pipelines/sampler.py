@@ -44,13 +44,14 @@ compiled once per plan and kept in memory.
 Randomness per image, never per call: image j's key is `fold_in(PRNGKey(seed), j)` (see
 `pipelines.request`). Its initial noise is the key's own draw, its img2img VAE posterior sample is drawn
 from `fold_in(key, Stream.POSTERIOR)` and a stochastic sampler's noise at call c of the full schedule from
-`fold_in(fold_in(key, Stream.STEP_NOISE), c)`, each for image j alone: an image is the same at any
+`fold_in(fold_in(key, Stream.STEP_NOISE), c)` (DPM++ SDE: from its Brownian path of
+`fold_in(key, Stream.STEP_NOISE)`, `Scheduler.draw_noise`), each for image j alone: an image is the same at any
 batch size, with or without guidance, on one device or a mesh.
 
 Host memory on a CPU: the weights are their files' pages, used in place (`sdx.weights`); loading has the OS
 read them into its page cache and a program maps each as it first reads it. Once prepare is done, the text
 encoders' pages are unmapped again (`weights.unmap`), so they and the UNet's never count in the process at
-once: SDXL in float32 at 256² peaks at 10.9 GiB instead of 13.6 (2-core VM, benchmarks/README.md). The next
+once: SDXL in float32 at 256² peaks at 10.9 GiB instead of 13.6 (2-core VM, benchmarks/LOG.md). The next
 prepare maps them back from the page cache (SDXL's: 0.1-0.2 s).
 
 Sharding: the generation batch is split over every device of the mesh (`sdx.mesh.batch_sharding`),
@@ -78,10 +79,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pipelines import control, cpu_kernels, executables, guidance, host_memory, image_prompt, masks, t2i_adapter, text
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
+from sdx import interventions
 from sdx import mesh as meshlib
 from sdx import weights
-from sdx.layers import TextContext
+from sdx.layers import Rows, TextContext
 from sdx.schedulers import Scheduler, State
+from sdx.unet import guidance_scale_embedding
 
 START_NOISE, START_IMAGE, START_LATENTS = "noise", "image", "latents"
 
@@ -124,7 +127,11 @@ class Plan:
     reads `Inputs.ip_image` (`pipelines.image_prompt`); t2i_adapters: how many of the sampler's T2I-Adapters
     act (`Inputs.adapter`, `pipelines.t2i_adapter`); blank_rows: a zero
     negative branch skips its cross-attentions (`Guidance.blank_rows`; set where `BLANK_ROWS_PLATFORMS` says);
-    vae_tiling: the VAE encodes and decodes images larger than its tile in overlapping tiles (`sdx.vae_tiles`).
+    vae_tiling: the VAE encodes and decodes images larger than its tile in overlapping tiles (`sdx.vae_tiles`);
+    interventions: what the request asks to change in the UNet (`sdx.interventions.Intervention`s), and
+    `guidance` the guider, each as `sdx.interventions.split` leaves it: its traced fields None (their values
+    are `Inputs.interventions` and `Inputs.guider`); weighting: how the prompts' token weights enter the
+    conditioning (`pipelines.text.Weighting`; the weights are `Inputs.prompt_weights`).
     """
 
     family: Family
@@ -147,6 +154,8 @@ class Plan:
     t2i_adapters: int = 0
     blank_rows: bool = False
     vae_tiling: bool = False
+    interventions: tuple = ()
+    weighting: text.Weighting = text.PLAIN
 
     def encodes(self) -> bool:
         """Whether the prepare program runs the VAE's encoder (img2img, inpainting, InstructPix2Pix)."""
@@ -176,7 +185,10 @@ class Inputs:
     without one; ip_scale: (cross-attentions,) the scale of each of the UNet's, (0,) without one; adapter: per
     T2I-Adapter (B, H, W, C) its image in [0, 1]; adapter_scales: (adapters,) their weights; adapter_gates:
     (calls,) 1 at each call of [begin, end) they act in, 0 after; state: the scheduler's tables for calls
-    [begin, end).
+    [begin, end); guider: the values of the guider's traced fields, interventions: those of each
+    intervention's (`Plan.interventions`; `sdx.interventions.split`'s leaves), replicated; prompt_weights:
+    {"positive", "negative"} -> {encoder: `pipelines.text.TokenWeights`} of ids and negative_ids (None with
+    `Plan.weighting` "none").
     """
 
     ids: dict[str, jax.Array]
@@ -197,29 +209,35 @@ class Inputs:
     adapter_scales: jax.Array
     adapter_gates: jax.Array
     state: State
+    guider: tuple = ()
+    interventions: tuple = ()
+    prompt_weights: dict | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Carry:
-    """What each model call changes: latents (B, h, w, C) float32, the scheduler state, and first_bad
+    """What each model call changes: latents (B, h, w, C) float32, the scheduler state, first_bad
     (B,) int32: the model call (1-based, in the full schedule) after which an image's latents first held
-    a NaN or an inf, 0 while they are finite."""
+    a NaN or an inf, 0 while they are finite; and readouts: each asked intervention's buffer
+    (`sdx.interventions.Intervention.readout`, None for most)."""
 
     latents: jax.Array
     state: State
     first_bad: jax.Array
+    readouts: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampled:
     """A sampler call's result: out (B, H, W, 3) images or (B, h, w, C) latents; bad_step (B,) host int:
     `Carry.first_bad` at the end; bad_decode (B,) host bool: finite latents whose decoded image is not
-    finite even in float32."""
+    finite even in float32; readouts: `Carry.readouts` at the end, on the host."""
 
     out: jax.Array
     bad_step: np.ndarray
     bad_decode: np.ndarray
+    readouts: tuple = ()
 
 
 @jax.tree_util.register_dataclass
@@ -242,7 +260,9 @@ class Fixed:
     each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, and the
     ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`) and their own
     `text_context`s of the context, and the T2I-Adapters' summed feature maps (B rows each) with the calls
-    they act in (`Inputs.adapter_gates`)."""
+    they act in (`Inputs.adapter_gates`), and the guider's and the interventions' traced values
+    (`Inputs.guider`, `Inputs.interventions`). What the interventions place on the UNet rides in
+    `text.interventions`."""
 
     cond: Conditioning
     text: TextContext
@@ -254,6 +274,8 @@ class Fixed:
     control_text: tuple[TextContext, ...] = ()
     adapter_features: tuple[jax.Array, ...] = ()
     adapter_gates: jax.Array | None = None
+    guider: tuple = ()
+    interventions: tuple = ()
 
 
 def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
@@ -298,10 +320,12 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     in turns (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
     fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
+    guide = interventions.bind(plan.guidance, inputs.guider)
     encode = functools.partial(vae.encode, tiled=plan.vae_tiling)
     encoders = {name: models[name] for name in fam.encoders}
 
-    context, pooled = text.encode(fam, encoders, inputs.ids, plan.clip_skip, dtype)
+    weights = inputs.prompt_weights or {"positive": None, "negative": None}
+    context, pooled = text.encode(fam, encoders, inputs.ids, plan.clip_skip, dtype, plan.weighting, weights["positive"])
     mask = masks.latent_mask(inputs.mask, vae.config.downsample_factor) if plan.inpaint else None
     extra = None  # channels concatenated to the UNet's input
     if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
@@ -313,7 +337,7 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
                                  Stream.MASKED_POSTERIOR, devices)
         extra = jnp.concatenate([mask, masked], axis=-1)
     extra = None if extra is None else extra.astype(dtype)
-    guided = plan.guidance.branches > 1
+    guided = guide.branches > 1
     ip_tokens = ip_none = None
     if plan.image_prompt:
         ip_tokens, ip_none = image_prompt.tokens(models[image_prompt.ADAPTER], models[image_prompt.ENCODER],
@@ -321,7 +345,8 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
     cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra, ip_tokens)
     negative = None
     if guided:  # InstructPix2Pix's guidance lays out its image branches itself
-        neg_context, neg_pooled = guidance.negative_conditioning(fam, encoders, inputs.negative_ids, inputs.zero_negative, dtype)
+        neg_context, neg_pooled = guidance.negative_conditioning(fam, encoders, inputs.negative_ids, inputs.zero_negative,
+                                                                 dtype, plan.weighting, weights["negative"])
         negative = Conditioning(neg_context, neg_pooled, inputs.negative_time_ids.astype(dtype),
                                 None if fam.pix2pix else extra, ip_none)
 
@@ -337,21 +362,33 @@ def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int)
         x = inputs.image.astype(jnp.float32)
     known = Known(image_latents, mask, inputs.noise) if blend else None
     first_bad = jnp.zeros(x.shape[:1], jnp.int32)
-    both = plan.guidance.conditioning(cond, negative)
+    both = guide.conditioning(cond, negative)
     nets = [models[name] for name in _controlnet_names(plan)]
     # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention
-    blank = plan.guidance.blank_rows(fam) if plan.blank_rows else None
+    blank = guide.blank_rows(fam) if plan.blank_rows else None
     control_blank = None if plan.guess_mode else blank  # guess mode runs a ControlNet on the text rows alone
     unet_text = models["unet"].text_context(both.context, blank)
     if plan.image_prompt:
         unet_text = models[image_prompt.ADAPTER].attach(models["unet"], unet_text, both.ip_tokens, inputs.ip_scale)
+    asked = [interventions.bind(s, v) for s, v in zip(plan.interventions, inputs.interventions)]
+    placed = interventions.installed(models["unet"], (guide, *asked))
+    if placed.attention or placed.sites:
+        calls = len(plan.scheduler.timesteps(plan.steps))
+        unet_text = dataclasses.replace(unet_text, interventions=dataclasses.replace(placed, calls=calls))
     adapters = [models[name] for name in _adapter_names(plan)]
     features = t2i_adapter.features(adapters, inputs.adapter, inputs.adapter_scales) if adapters else ()
     fixed = Fixed(both, unet_text, inputs.keys, inputs.scales, known,
                   tuple(inputs.control), inputs.control_scales,
                   tuple(net.text_context(both.context, control_blank) for net in nets),
-                  features, inputs.adapter_gates if adapters else None)
-    return Carry(x, state, first_bad), fixed
+                  features, inputs.adapter_gates if adapters else None, inputs.guider, inputs.interventions)
+    at = _readout(plan, guide, x, context)
+    return Carry(x, state, first_bad, tuple(one.readout(at) for one in asked)), fixed
+
+
+def _readout(plan: Plan, guide: Guidance, latents: jax.Array, context: jax.Array, index=None) -> interventions.Readout:
+    """Where the sampler is, for the interventions' readouts (`sdx.interventions.Readout`)."""
+    return interventions.Readout(latents.shape[0], tuple(latents.shape[1:3]), context.shape[1], guide.branches,
+                                 guide.text_branch, len(plan.scheduler.timesteps(plan.steps)), index)
 
 
 def _sample_latents(config, encode: Callable, images: jax.Array, keys: jax.Array, stream: Stream,
@@ -370,37 +407,57 @@ def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: i
     graphdefs/params: {"unet", the plan's ControlNets `controlnet_name(k)`}."""
     unet = nnx.merge(graphdefs["unet"], params["unet"])
     nets = [nnx.merge(graphdefs[name], params[name]) for name in _controlnet_names(plan)]
-    sched, guide, cond = plan.scheduler, plan.guidance, fixed.cond
-    added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if plan.family.xl else None
-    shared = guide.shared(plan.family)  # rows of the guidance batch whose input the UNet reads once
+    sched, cond = plan.scheduler, fixed.cond
+    guide = interventions.bind(plan.guidance, fixed.guider)
+    asked = [interventions.bind(s, v) for s, v in zip(plan.interventions, fixed.interventions)]
+    xl = plan.family.xl
+    shared = guidance.shared_rows(guide, plan.interventions, plan.family)  # rows whose input the UNet reads once
 
     def call(_, carry: Carry) -> Carry:
         st, x = carry.state, carry.latents
         c = plan.begin + st.index  # call index in the full schedule, so a refiner continues the base's stream
         latents_in = sched.scale_model_input(st, x).astype(unet.compute.dtype)
-        model_in = guide.model_input(latents_in, cond, shared)
-        t = jnp.broadcast_to(st.timestep, (model_in.shape[0],))
-        res = {}
-        if nets:
-            down, mid = control.residuals(nets, fixed.control, fixed.control_scales[:, st.index], latents_in,
-                                          st.timestep, cond, fixed.control_text, guide.branches, shared, plan.guess_mode,
-                                          plan.family.xl)
-            res = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
-        if fixed.adapter_features:  # the same maps for every guidance branch of an image
-            gate = fixed.adapter_gates[st.index]
-            res["down_intrablock_additional_residuals"] = tuple(
-                jnp.repeat(f * gate.astype(f.dtype), guide.branches, axis=0) for f in fixed.adapter_features)
-        out = guide.combine(unet(model_in, t, fixed.text, added, **res).astype(jnp.float32), fixed.scales)
+        placed = fixed.text.interventions
+        text = fixed.text if placed is None else dataclasses.replace(
+            fixed.text, interventions=dataclasses.replace(placed, step=c))
+
+        def model(model_in: jax.Array, branches: tuple[int, ...] | None = None) -> jax.Array:
+            """The UNet on the guidance batch, or on some of its branches (no ControlNet or adapter there)."""
+            t = jnp.broadcast_to(st.timestep, (model_in.shape[0],))
+            res = {}
+            if unet.config.time_cond_proj_dim is not None:  # an LCM UNet: the guidance scale as its embedding of w - 1
+                w = jnp.broadcast_to(fixed.scales.text - 1, (model_in.shape[0],))
+                res["timestep_cond"] = guidance_scale_embedding(w, unet.config.time_cond_proj_dim)
+            if branches is not None:
+                rows = guidance.branch_rows(cond, guide.branches, branches)
+                added = {"text_embeds": rows.pooled, "time_ids": rows.time_ids} if xl else None
+                return unet(model_in, t, text.rows(Rows(guide.branches, branches), branches), added,
+                            **res).astype(jnp.float32)
+            added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if xl else None
+            if nets:
+                down, mid = control.residuals(nets, fixed.control, fixed.control_scales[:, st.index], latents_in,
+                                              st.timestep, cond, fixed.control_text, guide.branches, shared,
+                                              plan.guess_mode, xl)
+                res |= {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
+            if fixed.adapter_features:  # the same maps for every guidance branch of an image
+                gate = fixed.adapter_gates[st.index]
+                res["down_intrablock_additional_residuals"] = tuple(
+                    jnp.repeat(f * gate.astype(f.dtype), guide.branches, axis=0) for f in fixed.adapter_features)
+            return unet(model_in, t, text, added, **res).astype(jnp.float32)
+
+        step = guidance.Step(model, x, guide.model_input(latents_in, cond, shared), st.timestep, st, sched, fixed.scales)
+        out, records = interventions.capture(guide.predict, step)
+        at = _readout(plan, guide, x, cond.context, c)
+        readouts = tuple(one.accumulate(buffer, records, at) for one, buffer in zip(asked, carry.readouts))
         noise = None
         if sched.stochastic:
-            noise = _per_image(fixed.keys, Stream.STEP_NOISE,
-                               lambda k: jax.random.normal(jax.random.fold_in(k, c), x.shape[1:], jnp.float32))
+            noise = _per_image(fixed.keys, Stream.STEP_NOISE, lambda k: sched.draw_noise(st, k, c, x.shape[1:]))
         st, x = sched.step(st, out, x, noise)
         if fixed.known is not None:  # inpainting with a 4-channel model: the known region at the next call's level
             known = fixed.known
             x = (1 - known.mask) * sched.add_noise(st, known.latents, known.noise) + known.mask * x
         newly_bad = (carry.first_bad == 0) & ~_finite(x)
-        return Carry(x, st, jnp.where(newly_bad, c + 1, carry.first_bad))
+        return Carry(x, st, jnp.where(newly_bad, c + 1, carry.first_bad), readouts)
 
     carry = jax.lax.fori_loop(0, calls, call, carry)
     return carry, carry.state.index
@@ -551,6 +608,9 @@ class Sampler:
             adapter_scales=rep(inputs.adapter_scales),
             adapter_gates=rep(inputs.adapter_gates),
             state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
+            guider=jax.tree.map(rep, inputs.guider),
+            interventions=jax.tree.map(rep, inputs.interventions),
+            prompt_weights=jax.tree.map(batched, inputs.prompt_weights),
         )
 
     def _prepare_params(self, plan: Plan) -> dict:
@@ -658,7 +718,7 @@ class Sampler:
         if bad_decode.any() and self.models["vae"].compute.dtype != jnp.float32:
             out, finite = self._in_float32(out, carry.latents, bad_decode, plan.vae_tiling)
             bad_decode = bad_decode & ~meshlib.to_host(finite)
-        return Sampled(out, bad_step, bad_decode)
+        return Sampled(out, bad_step, bad_decode, jax.tree.map(meshlib.to_host, carry.readouts))
 
     def _in_float32(self, images: jax.Array, latents: jax.Array, redo: np.ndarray,
                     tiled: bool) -> tuple[jax.Array, jax.Array]:

@@ -147,7 +147,7 @@ class ControlNetModel(UNetEncoder):
         )
         self.controlnet_down_blocks = nnx.List([conv(cp, ch, ch, 1, rngs=rngs) for ch in config.residual_channels])
         self.controlnet_mid_block = conv(cp, c.block_out_channels[-1], c.block_out_channels[-1], 1, rngs=rngs)
-        self._name_text_readers()
+        self._name_attentions()
 
     @property
     def unet_config(self) -> UNetConfig:

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from sdx import conv as convlib
-from sdx import outline, products
-from sdx.attention import Backend, dot_product_attention
+from sdx import interventions, outline, products
+from sdx.attention import Backend
 from sdx.errors import SdxError
+from sdx.interventions import AttentionCall, Interventions, Processor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +50,13 @@ F32 = Compute()
 def rematerialised(call, block: nnx.Module, *args):
     """call(block, *args), its activations recomputed in the backward pass instead of kept. The block goes
     through `jax.checkpoint` as its split state: `nnx.remat` refuses a block whose variables come from two
-    traces (a LoRA run differentiates the adapters alone, the rest being constants)."""
+    traces (a LoRA run differentiates the adapters alone, the rest being constants). What the block
+    records (`sdx.interventions.record`) comes out with its output."""
     graphdef, state = nnx.split(block)
-    return jax.checkpoint(lambda s, *a: call(nnx.merge(graphdef, s), *a))(state, *args)
+    run = lambda s, *a: interventions.capture(call, nnx.merge(graphdef, s), *a)
+    out, records = jax.checkpoint(run)(state, *args)
+    interventions.forward(records)
+    return out
 
 
 class Linear(nnx.Linear):
@@ -130,13 +136,17 @@ def widen(x: jax.Array, rows: int) -> jax.Array:
 
 
 class TimestepEmbedding(nnx.Module):
-    """linear_1 -> SiLU -> linear_2 (diffusers TimestepEmbedding)."""
+    """linear_1 -> SiLU -> linear_2 (diffusers TimestepEmbedding); with `cond_dim`, a condition (B, cond_dim)
+    projected by `cond_proj` (no bias) is added to the input first (an LCM UNet's guidance embedding)."""
 
-    def __init__(self, cp: Compute, din: int, dim: int, *, rngs: nnx.Rngs):
+    def __init__(self, cp: Compute, din: int, dim: int, *, cond_dim: int | None = None, rngs: nnx.Rngs):
+        self.cond_proj = linear(cp, cond_dim, din, bias=False, rngs=rngs) if cond_dim else None
         self.linear_1 = linear(cp, din, dim, rngs=rngs)
         self.linear_2 = linear(cp, dim, dim, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, condition=None):
+        if condition is not None:
+            x = x + self.cond_proj(condition.astype(x.dtype))
         return self.linear_2(jax.nn.silu(self.linear_1(x)))
 
 
@@ -196,35 +206,50 @@ class Upsample2D(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlankRows:
-    """Rows of a batch whose text may be blank (all zeros): row j * period + r for each r in `rows`. A
-    sampler's guidance batch is image-major, so SDXL's negative branch without a negative prompt
-    (force_zeros_for_empty_prompt) is `BlankRows(2, (0,))`."""
+class Rows:
+    """Some rows of each period of a batch: row j * period + r for each r in `rows`. A sampler's guidance
+    batch is image-major (branch k of image j is row j * branches + k), so one branch of every image is
+    `Rows(branches, (k,))`."""
 
     period: int
     rows: tuple[int, ...]
 
     def group(self, a: jax.Array) -> jax.Array:
         """(B * period, ...) -> (B, period, ...)."""
+        if a.shape[0] % self.period:
+            raise SdxError(f"rows of period {self.period} in a batch of {a.shape[0]} rows")
         return a.reshape(a.shape[0] // self.period, self.period, *a.shape[1:])
 
     def pick(self, a: jax.Array, rows: tuple[int, ...]) -> jax.Array:
         """(B * period, ...) -> (B * len(rows), ...): rows j * period + r of `a`, r in `rows`, image-major."""
         picked = jnp.stack([self.group(a)[:, r] for r in rows], axis=1)  # (B, len(rows), ...)
-        return picked.reshape(-1, *a.shape[1:])
+        return picked.reshape(picked.shape[0] * len(rows), *a.shape[1:])
 
     def others(self) -> tuple[int, ...]:
-        """The positions in a period that are not blank."""
+        """The positions in a period that are not `rows`."""
         return tuple(r for r in range(self.period) if r not in self.rows)
+
+    def join(self, others: jax.Array, these: jax.Array) -> jax.Array:
+        """The inverse of picking `others()` and `rows` apart: (B * len(others), ...) and (B * len(rows), ...)
+        -> (B * period, ...). `these` may be one row's shape, broadcast to every row of `rows`."""
+        kept = self.others()
+        grouped = others.reshape(-1, len(kept), *others.shape[1:])  # (B, len(others), ...)
+        row_shape = grouped[:, 0].shape
+        mine = (these.reshape(-1, len(self.rows), *others.shape[1:]) if these.ndim == others.ndim
+                else jnp.broadcast_to(these, (row_shape[0], len(self.rows), *row_shape[1:])))  # (B, len(rows), ...)
+        rows = [grouped[:, kept.index(r)] if r in kept else mine[:, self.rows.index(r)] for r in range(self.period)]
+        return jnp.stack(rows, axis=1).reshape(-1, *others.shape[1:])  # (B, period, ...) -> (B * period, ...)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlankRows(Rows):
+    """Rows of a batch whose text may be blank (all zeros). SDXL's negative branch without a negative prompt
+    (force_zeros_for_empty_prompt) is `BlankRows(2, (0,))` in classifier-free guidance's batch."""
 
     def merge(self, others: jax.Array, fill: jax.Array) -> jax.Array:
         """The inverse of `pick(a, self.others())`, each blank row being `fill` broadcast to a row's shape:
         (B * len(others), ...) -> (B * period, ...)."""
-        kept = self.others()
-        grouped = others.reshape(-1, len(kept), *others.shape[1:])  # (B, len(others), ...)
-        rows = [grouped[:, kept.index(r)] if r in kept else jnp.broadcast_to(fill, grouped[:, 0].shape)
-                for r in range(self.period)]  # each (B, ...)
-        return jnp.stack(rows, axis=1).reshape(-1, *others.shape[1:])  # (B, period, ...) -> (B * period, ...)
+        return self.join(others, fill)
 
     def all_zero(self, states: jax.Array) -> jax.Array:
         """() bool: whether the text `states` (B * period, S, D) is zeros in every blank row."""
@@ -233,29 +258,104 @@ class BlankRows:
         return jnp.all(self.pick(states, self.rows) == 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class SkipBlankRows(Processor):
+    """The built-in processor of a cross-attention whose `TextContext` says which rows may be blank: when they
+    are (`is_blank`, at run time), only the other rows attend. In a blank row every key and value is the
+    projection of the zero vector, so the softmax is uniform and the attention is to_v's bias (zeros without
+    one) for every query, and the output to_out of that: to_out's bias when to_v has none, as in every UNet
+    (SDXL's negative branch: cross-attentions 4 % of the UNet's arithmetic)."""
+
+    blank: BlankRows
+    is_blank: jax.Array
+    traced: ClassVar[tuple[str, ...]] = ("is_blank",)
+    per_row: ClassVar[bool] = False
+
+    def __call__(self, call: AttentionCall) -> jax.Array:
+        return jax.lax.cond(self.is_blank, lambda: self._skip(call), call.proceed)
+
+    def _skip(self, call: AttentionCall) -> jax.Array:
+        attended = call.rows(self.blank, self.blank.others()).proceed()  # (B * len(others), T, C)
+        m = call.module
+        out = m.to_out[0]
+        if m.to_v.bias is None:  # every UNet's: no product at all
+            constant = out.bias[...].astype(attended.dtype)  # (C,)
+        else:
+            constant = out(m.to_v.bias[...].astype(attended.dtype))  # (C,)
+        return self.blank.merge(attended, constant)  # (B * period, T, C)
+
+    def restrict(self, pick):
+        return None  # its rows are the whole batch's
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePrompt(Processor):
+    """The built-in processor of a cross-attention an IP-Adapter adapts (`sdx.ip_adapter`): the attention of
+    the same queries over the image tokens' keys and values (B, N, heads, head_dim), times `scale` (),
+    added to the text's before to_out (the paper's decoupled cross-attention)."""
+
+    keys: jax.Array
+    values: jax.Array
+    scale: jax.Array
+    traced: ClassVar[tuple[str, ...]] = ("keys", "values", "scale")
+    per_row: ClassVar[bool] = False
+
+    def __call__(self, call: AttentionCall) -> jax.Array:
+        q = call.query()
+        o = call.attend(q, call.k, call.v)
+        return call.output(o + self.scale.astype(o.dtype) * call.attend(q, self.keys, self.values))
+
+    def restrict(self, pick):
+        return dataclasses.replace(self, keys=pick(self.keys), values=pick(self.values))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TextContext:
     """A UNet's text context with the keys and values of every attention that reads it already projected
-    (`UNet2DConditionModel.text_context`), for calls that read the same text: a sampler's steps.
+    (`UNet2DConditionModel.text_context`), for calls that read the same text: a sampler's steps; and what
+    the call's attentions and blocks run besides (`sdx.interventions`).
 
     states: (B, S, D); kv: {attention key: (keys, values), each (B, S, heads, head_dim)}; blank: the rows
     whose text may be blank (static), and is_blank () bool, whether it is: then those rows' cross-attentions
-    are not computed (`Attention`). image_kv: an IP-Adapter's keys and values of its image tokens for the
+    are not computed (`SkipBlankRows`). image_kv: an IP-Adapter's keys and values of its image tokens for the
     cross-attentions it adapts and the scale each adds their attention with, {attention key: (keys, values,
-    scale)}, keys and values (B, N, heads, head_dim), scale () float32 (`sdx.ip_adapter`); None without one."""
+    scale)}, keys and values (B, N, heads, head_dim), scale () float32 (`ImagePrompt`, `sdx.ip_adapter`); None
+    without one. interventions: the call's processors and hooks, None without any."""
 
     states: jax.Array
     kv: dict[str, tuple[jax.Array, jax.Array]]
     blank: BlankRows | None = dataclasses.field(default=None, metadata={"static": True})
     is_blank: jax.Array | None = None
     image_kv: dict[str, tuple[jax.Array, jax.Array, jax.Array]] | None = None
+    interventions: Interventions | None = None
 
-    def only(self, keys) -> TextContext:
-        """This context with the projections of `keys` alone (what one block passes on)."""
+    def only(self, keys, paths=()) -> TextContext:
+        """This context with the projections of `keys` alone and the processors of `paths` alone (what one
+        block passes on)."""
         keys = tuple(keys)
         image = None if self.image_kv is None else {k: self.image_kv[k] for k in keys if k in self.image_kv}
-        return dataclasses.replace(self, kv={k: self.kv[k] for k in keys}, image_kv=image)
+        own = None if self.interventions is None else self.interventions.only(paths)
+        return dataclasses.replace(self, kv={k: self.kv[k] for k in keys}, image_kv=image, interventions=own)
+
+    def rows(self, layout: Rows, which: tuple[int, ...]) -> TextContext:
+        """This context for rows `which` of each period of `layout` alone (a call on some guidance branches):
+        every per-row array picked, the blank rows' shortcut left out."""
+        pick = lambda a: layout.pick(a, which)
+        image = None if self.image_kv is None else {k: (pick(a), pick(b), s) for k, (a, b, s) in self.image_kv.items()}
+        own = None if self.interventions is None else self.interventions.restrict(pick)
+        return TextContext(pick(self.states), jax.tree.map(pick, self.kv), None, None, image, own)
+
+    def processors(self, key: str | None, reads: bool) -> tuple[Processor, ...]:
+        """The processors of the attention `key` (`reads`: whether it reads this context), outermost first:
+        the interventions', then the built-in one (`ImagePrompt` where an IP-Adapter adapts it, else
+        `SkipBlankRows` where rows may be blank)."""
+        chain = () if self.interventions is None else self.interventions.attention.get(key, ())
+        if reads and self.image_kv is not None and key in self.image_kv:
+            return (*chain, ImagePrompt(*self.image_kv[key]))
+        if reads and self.blank is not None:
+            return (*chain, SkipBlankRows(self.blank, self.is_blank))
+        return chain
 
 
 class Attention(nnx.Module):
@@ -264,7 +364,8 @@ class Attention(nnx.Module):
     `groups` adds the VAE's `group_norm` on the input; `residual` adds the input back and divides by
     `rescale_output_factor`. x: (B, T, C) or (B, H, W, C); context: (B, S, Cc) for cross-attention, or a
     `TextContext` holding this attention's projections under its `key` (given by its model: an attention
-    built with a `context_dim` reads a context, whose projections can then be made once).
+    built with a `context_dim` reads a context, whose projections can then be made once), and for any
+    attention its processors (`sdx.interventions`): `q, k, v -> out` is theirs, the projections stay here.
     """
 
     def __init__(
@@ -278,7 +379,7 @@ class Attention(nnx.Module):
         self.heads, self.head_dim = heads, head_dim
         self.residual, self.rescale_output_factor = residual, rescale_output_factor
         self.reads_context = context_dim is not None
-        self.key: str | None = None
+        self.key: str | None = None  # its module path in its model (`UNetEncoder._name_attentions`)
         self.group_norm = GroupNorm(cp, query_dim, groups, eps, rngs=rngs) if groups else None
         self.to_q = linear(cp, query_dim, inner, bias=qkv_bias, rngs=rngs)
         self.to_k = linear(cp, kv_dim, inner, bias=qkv_bias, rngs=rngs)
@@ -295,50 +396,18 @@ class Attention(nnx.Module):
         h = x.reshape(shape[0], -1, shape[-1])  # (B, T, C)
         if self.group_norm is not None:
             h = self.group_norm(h)
-        image = None
-        if isinstance(context, TextContext):
-            k, v = context.kv[self.key]
-            image = (context.image_kv or {}).get(self.key)
+        text = context if isinstance(context, TextContext) else None
+        if text is not None and self.reads_context:
+            k, v = text.kv[self.key]
         else:
-            k, v = self.keys_values(h if context is None else context)
-        if image is not None:  # every row reads the image tokens: no blank rows to skip
-            o = self._attend(h, k, v, image)
-        elif isinstance(context, TextContext) and context.blank is not None:
-            blank = context.blank
-            o = jax.lax.cond(context.is_blank, lambda *a: self._blank_rows(blank, *a), self._attend, h, k, v)
-        else:
-            o = self._attend(h, k, v)
-        o = o.reshape(shape)
+            k, v = self.keys_values(h if context is None or text is not None else context)
+        chain = () if text is None else text.processors(self.key, self.reads_context)
+        placed = None if text is None else text.interventions
+        step, calls = (None, None) if placed is None else (placed.step, placed.calls)
+        o = AttentionCall(self, h, k, v, self.key, step, chain, calls).proceed().reshape(shape)
         if self.residual:
             o = (o + x) / self.rescale_output_factor
         return o
-
-    def _attend(self, h, k, v, image=None) -> jax.Array:
-        """h (B, T, C), k/v (B, S, heads, head_dim) -> to_out(attention) (B, T, C). image: an IP-Adapter's
-        (keys, values, scale), keys and values (B, N, heads, head_dim), whose attention from the same queries
-        is added times the scale before to_out (`sdx.ip_adapter`)."""
-        q = self.to_q(h)
-        q = q.reshape(q.shape[0], q.shape[1], self.heads, self.head_dim)  # (B, T, H, D)
-        attend = lambda keys, values: dot_product_attention(
-            q, keys, values, backend=self.backend, chunk_size=self.chunk, shards=self.shards)
-        o = attend(k, v)
-        if image is not None:
-            keys, values, scale = image
-            o = o + scale.astype(o.dtype) * attend(keys, values)
-        return self.to_out[0](o.reshape(o.shape[0], o.shape[1], -1))  # (B, T, H*D) -> (B, T, C)
-
-    def _blank_rows(self, blank: BlankRows, h, k, v) -> jax.Array:
-        """`_attend` when `blank`'s rows read zeros: the other rows attend. In a blank row every key and
-        value is the projection of the zero vector, so the softmax is uniform and the attention is to_v's
-        bias (zeros without one) for every query, and the output to_out of that: to_out's bias when to_v
-        has none, as in every UNet (SDXL's negative branch: cross-attentions 4 % of the UNet's arithmetic)."""
-        attended = self._attend(*(blank.pick(a, blank.others()) for a in (h, k, v)))  # (B * len(others), T, C)
-        out = self.to_out[0]
-        if self.to_v.bias is None:  # every UNet's: no product at all
-            constant = out.bias[...].astype(attended.dtype)  # (C,)
-        else:
-            constant = out(self.to_v.bias[...].astype(attended.dtype))  # (C,)
-        return blank.merge(attended, constant)  # (B * period, T, C)
 
 
 class GEGLU(nnx.Module):
@@ -385,20 +454,22 @@ class BasicTransformerBlock(nnx.Module):
     def __call__(self, x, context):
         """x (b, T, C) -> (B, T, C), B the context's rows: x may have fewer, B / n, each shared by n
         consecutive rows of the batch (`widen`), until the first attention that reads the text."""
-        rows = (context.states if isinstance(context, TextContext) else context).shape[0]
+        text = isinstance(context, TextContext)
+        rows = (context.states if text else context).shape[0]
         if self.only_cross_attention:
             x = widen(x, rows)
             x = x + self.attn1(self.norm1(x), context)
-        else:
-            x = widen(x + self.attn1(self.norm1(x)), rows)
+        else:  # a self-attention reads only its processors from a TextContext
+            x = widen(x + self.attn1(self.norm1(x), context if text else None), rows)
         x = x + self.attn2(self.norm2(x), context)
         return x + self.ff(self.norm3(x))
 
     def own(self, context):
-        """`context`, narrowed to this block's projections when it is a `TextContext`."""
+        """`context`, narrowed to this block's projections and processors when it is a `TextContext`."""
         if not isinstance(context, TextContext):
             return context
-        return context.only(a.key for a in (self.attn1, self.attn2) if a.reads_context)
+        attentions = (self.attn1, self.attn2)
+        return context.only((a.key for a in attentions if a.reads_context), (a.key for a in attentions))
 
 
 class Transformer2DModel(nnx.Module):

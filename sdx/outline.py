@@ -5,7 +5,7 @@ XLA inlines every call, so a UNet or a text encoder compiles to one long sequenc
 XLA:CPU's runtime orders a sequence by a graph it builds each time it compiles a program or reads one
 back: every kernel tested against every earlier one for shared buffers, then a transitive reduction, so
 the work grows with the square of the sequence's length. For SDXL's UNet that graph was half of reading
-the compiled program back (2-core CPU, 256²: about 2 of 4 s; benchmarks/README.md).
+the compiled program back (2-core CPU, 256²: about 2 of 4 s; benchmarks/LOG.md).
 
 `call(block, *args)` is `block(*args)` as a call XLA keeps (the frontend attribute `inlineable="false"`
 on a non-inlined jit): XLA:CPU runs it as one call thunk with a sequence, and a graph, of its own. The
@@ -15,7 +15,8 @@ it, where inlined XLA may keep float32 across the boundary). Elsewhere than on a
 as is: the GPU and TPU compilers get the programs they always got.
 
 A block called this way must not change its own variables (they go in and are not returned): true of
-every sdx block, whose only state is its parameters.
+every sdx block, whose only state is its parameters. What it records (`sdx.interventions.record`) comes out
+with its output.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import jax
 from flax import nnx
 from jax.experimental.xla_metadata import set_xla_metadata
 
+from sdx import interventions
+
 
 def call(block: nnx.Module, *args):
     """block(*args), on a CPU as a computation XLA does not inline."""
@@ -34,10 +37,13 @@ def call(block: nnx.Module, *args):
     graphdef, state = nnx.split(block)
     # The attribute goes on the call that makes the outputs, not (as a `with` block would put it) on every
     # jitted function the block calls inside too.
-    return set_xla_metadata(_program(graphdef)(state, args), inlineable="false")
+    out, records = set_xla_metadata(_program(graphdef)(state, args), inlineable="false")
+    interventions.forward(records)
+    return out
 
 
 @functools.cache
 def _program(graphdef: nnx.GraphDef):
-    """The jitted block of `graphdef` (one per kind of block, so each is traced once per input shapes)."""
-    return jax.jit(lambda state, args: nnx.merge(graphdef, state)(*args), inline=False)
+    """The jitted block of `graphdef` (one per kind of block, so each is traced once per input shapes),
+    returning its output and what it recorded."""
+    return jax.jit(lambda state, args: interventions.capture(nnx.merge(graphdef, state), *args), inline=False)

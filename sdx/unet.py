@@ -49,6 +49,7 @@ from sdx.config import (
     optional,
 )
 from sdx.errors import SdxError
+from sdx.interventions import Interventions, hooked
 from sdx.layers import (
     F32,
     Attention,
@@ -104,7 +105,7 @@ class UNetConfig(JsonConfig):
         **{k: FLAG for k in ("use_linear_projection", "upcast_attention", "center_input_sample", "flip_sin_to_cos")},
         "norm_eps": POSITIVE, "downsample_padding": NATURAL, "mid_block_scale_factor": NUMBER, "freq_shift": NUMBER,
         **{k: optional(COUNT) for k in ("time_embedding_dim", "addition_time_embed_dim",
-                                        "projection_class_embeddings_input_dim")},
+                                        "projection_class_embeddings_input_dim", "time_cond_proj_dim")},
         "addition_embed_type": optional(NAME), "sample_size": optional(COUNTS),
     }
 
@@ -135,6 +136,7 @@ class UNetConfig(JsonConfig):
     addition_embed_type: str | None = None
     addition_time_embed_dim: int | None = None
     projection_class_embeddings_input_dim: int | None = None
+    time_cond_proj_dim: int | None = None  # an LCM UNet's guidance-scale embedding (`guidance_scale_embedding`)
     sample_size: int | tuple[int, int] | None = None
 
     def __post_init__(self):
@@ -365,7 +367,18 @@ class MidBlock2D(nnx.Module):
         return x
 
 
-def _nearest_resize(x, size: tuple[int, int]):
+def token_grid(tokens: int, height: int, width: int) -> tuple[int, int]:
+    """The (h, w) of an attention's `tokens` positions in a UNet whose latents are (height, width): the size
+    halved (rounding up, as its stride-2 downsamplers do) until it has that many positions."""
+    h, w = height, width
+    while h * w > tokens:
+        h, w = -(-h // 2), -(-w // 2)
+    if h * w != tokens:
+        raise SdxError(f"unet: {tokens} attention positions are no halving of {height}x{width} latents")
+    return h, w
+
+
+def nearest_resize(x, size: tuple[int, int]):
     """torch F.interpolate(mode='nearest', size=size) on NHWC: source index floor(dst * in/out)."""
     def index(n_in, n_out):
         scale = np.float32(n_in / n_out)
@@ -395,10 +408,15 @@ class UpBlock2D(nnx.Module):
             if c.up_block_types[i] == CROSS_UP else None
         )
         self.upsamplers = None if i == n - 1 else nnx.List([Upsample2D(cp, cout, rngs=rngs)])
+        self.index = i
 
     def __call__(self, x, skips, temb, context, upsample_size: tuple[int, int] | None = None):
+        """The hooks of each resnet's site `up_blocks.<i>.resnets.<j>.skip` (`sdx.interventions`), in the
+        context, see (hidden states, skip) before they are concatenated."""
+        hooks = context.interventions if isinstance(context, TextContext) else None
         for j, resnet in enumerate(self.resnets):
-            x = jnp.concatenate([x, widen(skips[-1 - j], x.shape[0])], axis=-1)  # (B, H, W, C + C_skip), diffusers' order
+            x, skip = hooked(hooks, f"up_blocks.{self.index}.resnets.{j}.skip", x, widen(skips[-1 - j], x.shape[0]))
+            x = jnp.concatenate([x, skip], axis=-1)  # (B, H, W, C + C_skip), diffusers' order
             x = resnet(x, temb)
             if self.attentions is not None:
                 x = self.attentions[j](x, context)
@@ -407,7 +425,7 @@ class UpBlock2D(nnx.Module):
             if upsample_size is None:
                 x = up(x)
             else:  # an odd size upstream: match the skip's size exactly, as diffusers does
-                x = up.conv(_nearest_resize(x, upsample_size))
+                x = up.conv(nearest_resize(x, upsample_size))
         return x
 
 
@@ -432,7 +450,7 @@ class UNetEncoder(nnx.Module):
         self.dtype = cp.dtype
         boc = c.block_out_channels
         self.conv_in = conv(cp, c.in_channels, boc[0], c.conv_in_kernel, rngs=rngs)
-        self.time_embedding = TimestepEmbedding(cp, boc[0], c.time_embed_dim, rngs=rngs)
+        self.time_embedding = TimestepEmbedding(cp, boc[0], c.time_embed_dim, cond_dim=c.time_cond_proj_dim, rngs=rngs)
         self.add_embedding = (
             TimestepEmbedding(cp, c.projection_class_embeddings_input_dim, c.time_embed_dim, rngs=rngs)
             if c.addition_embed_type == "text_time" else None
@@ -451,11 +469,22 @@ class UNetEncoder(nnx.Module):
         self-attention of `only_cross_attention`."""
         return [(path, m) for path, m in nnx.iter_graph(self) if isinstance(m, Attention) and m.reads_context]
 
-    def _name_text_readers(self) -> None:
-        """Key each attention that reads the text by its path, diffusers' module name (a subclass calls it
-        once all its modules exist)."""
-        for path, attention in self._reading_text():
-            attention.key = ".".join(map(str, path))
+    def _name_attentions(self) -> None:
+        """Key each attention by its path, diffusers' module name (a subclass calls it once all its modules
+        exist)."""
+        for path, m in nnx.iter_graph(self):
+            if isinstance(m, Attention):
+                m.key = ".".join(map(str, path))
+
+    def sites(self) -> dict[str, str]:
+        """{name: kind} of every place an intervention can act on (`sdx.interventions`), in module order:
+        each attention by its path, of kind "self" or "cross" (diffusers' `is_cross_attention`: attn2, and
+        attn1 with only_cross_attention), and each block's output (`down_blocks.<i>`, `mid_block`,
+        `up_blocks.<i>`, kind "block"); a UNet adds its up blocks' skip concatenations (kind "skip")."""
+        attentions = [m for _, m in nnx.iter_graph(self) if isinstance(m, Attention)]
+        found = {m.key: "cross" if m.reads_context else "self" for m in attentions}
+        found |= {f"down_blocks.{i}": "block" for i in range(len(self.down_blocks))}
+        return found | ({"mid_block": "block"} if self.mid_block is not None else {})
 
     def text_context(self, encoder_hidden_states: jax.Array, blank: BlankRows | None = None) -> TextContext:
         """encoder_hidden_states (B, S, D) with the keys and values of every attention that reads it
@@ -517,9 +546,14 @@ class UNetEncoder(nnx.Module):
                 f"for a batch of {batch} (base SDXL: 6 time ids, refiner: 5)"
             )
 
-    def _embed(self, timesteps, batch: int, added_cond) -> jax.Array:
-        """The time embedding (B, time_embed_dim), plus SDXL's pooled-text-and-size embedding."""
+    def _embed(self, timesteps, batch: int, added_cond, timestep_cond: jax.Array | None = None) -> jax.Array:
+        """The time embedding (B, time_embed_dim) (with an LCM UNet's guidance embedding `timestep_cond` (B,
+        time_cond_proj_dim), `guidance_scale_embedding`), plus SDXL's pooled-text-and-size embedding."""
         c = self.unet_config
+        if timestep_cond is not None and (c.time_cond_proj_dim is None
+                                          or tuple(timestep_cond.shape) != (batch, c.time_cond_proj_dim)):
+            raise SdxError(f"{self.label}: timestep_cond {tuple(timestep_cond.shape)} for a batch of {batch}; this "
+                           f"model takes (B, time_cond_proj_dim={c.time_cond_proj_dim})")
         t = jnp.asarray(timesteps).reshape(-1)
         if t.shape[0] not in (1, batch):
             raise SdxError(
@@ -528,7 +562,8 @@ class UNetEncoder(nnx.Module):
         self._check_added_cond(batch, added_cond)
         t = jnp.broadcast_to(t, (batch,))
         emb = self.time_embedding(
-            timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift)
+            timestep_embedding(t, c.block_out_channels[0], flip_sin_to_cos=c.flip_sin_to_cos, freq_shift=c.freq_shift),
+            timestep_cond,
         )
         if self.add_embedding is None:
             return emb
@@ -549,8 +584,10 @@ class UNetEncoder(nnx.Module):
         """The down blocks on conv_in's output x: (their output, the skip connections: x, then each block's).
         features: T2I-Adapter feature maps, one for each of the first blocks (`DownBlock2D`)."""
         skips: tuple = (x,)
+        hooks = context.interventions if isinstance(context, TextContext) else None
         for i, block in enumerate(self.down_blocks):
-            x, res = self._run(block, x, temb, context, features[i] if i < len(features) else None)
+            x, res = hooked(hooks, f"down_blocks.{i}",
+                            *self._run(block, x, temb, context, features[i] if i < len(features) else None))
             skips += res
         return x, skips
 
@@ -561,6 +598,16 @@ def _add_residual(name: str, x: jax.Array, residual: jax.Array) -> jax.Array:
     if len(shape) != 4 or any(r not in (1, s) for r, s in zip(shape, x.shape)):
         raise SdxError(f"unet: {name} has shape {shape}, the UNet's activation there is {tuple(x.shape)}")
     return x + residual.astype(x.dtype)
+
+
+def guidance_scale_embedding(w: jax.Array, dim: int) -> jax.Array:
+    """(B,) -> (B, dim) float32: the sinusoidal embedding of w * 1000 an LCM UNet's `timestep_cond` takes (VDM's,
+    Kingma et al. 2021, as diffusers' `get_guidance_scale_embedding`); its pipelines embed w = guidance_scale - 1
+    and run no classifier-free guidance branch."""
+    half = dim // 2
+    freqs = jnp.exp(jnp.arange(half, dtype=jnp.float32) * -(jnp.log(jnp.float32(10000.0)) / (half - 1)))
+    angles = (jnp.asarray(w, jnp.float32) * 1000.0)[:, None] * freqs[None, :]  # (B, half)
+    return jnp.pad(jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=1), ((0, 0), (0, dim % 2)))
 
 
 class UNet2DConditionModel(UNetEncoder):
@@ -577,7 +624,14 @@ class UNet2DConditionModel(UNetEncoder):
         self.up_blocks = nnx.List([UpBlock2D(cp, c, i, rngs=rngs) for i in range(c.levels)])
         self.conv_norm_out = GroupNorm(cp, boc[0], c.norm_num_groups, c.norm_eps, rngs=rngs)
         self.conv_out = conv(cp, boc[0], c.out_channels, c.conv_out_kernel, rngs=rngs)
-        self._name_text_readers()
+        self._name_attentions()
+
+    def sites(self) -> dict[str, str]:
+        found = super().sites()
+        for i, block in enumerate(self.up_blocks):
+            found |= {f"up_blocks.{i}.resnets.{j}.skip": "skip" for j in range(len(block.resnets))}
+            found[f"up_blocks.{i}"] = "block"
+        return found
 
     def __call__(
         self,
@@ -588,9 +642,14 @@ class UNet2DConditionModel(UNetEncoder):
         down_block_additional_residuals: Sequence[jax.Array] | None = None,
         mid_block_additional_residual: jax.Array | None = None,
         down_intrablock_additional_residuals: Sequence[jax.Array] = (),
+        interventions: Interventions | None = None,
+        timestep_cond: jax.Array | None = None,
     ) -> jax.Array:
         """sample (B, H, W, C_in); timesteps () or (B,); encoder_hidden_states (B, S, D), or this model's
         `text_context` of it; added_cond {"text_embeds": (B, P), "time_ids": (B, N)} for SDXL. -> (B, H, W, C_out).
+
+        interventions: processors and hooks for this call (`sdx.interventions`, on the names of `sites()`),
+        added outermost to the context's own; what they record comes out of `sdx.interventions.capture`.
 
         The sample may have B / n rows, each the input of n consecutive rows of the batch (a sampler's
         classifier-free guidance branches of one image, which share their latents and timestep; timesteps
@@ -608,6 +667,9 @@ class UNet2DConditionModel(UNetEncoder):
         down_intrablock_additional_residuals: a T2I-Adapter's feature maps (`sdx.t2i_adapter`), each (B, H_i,
         W_i, C_i) with B the context's rows: one per down block, in order (`DownBlock2D`), and one more for
         the mid block's output (SDXL's adapters). As in diffusers, from the first down block on.
+
+        timestep_cond: (B, time_cond_proj_dim), an LCM UNet's guidance embedding (`guidance_scale_embedding` of
+        w - 1, as diffusers' pipelines build it), B the sample's rows; None: none added (as diffusers).
         """
         c = self.config
         if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
@@ -618,10 +680,15 @@ class UNet2DConditionModel(UNetEncoder):
         b, rows = self._check_inputs(sample, encoder_hidden_states)
         hh, ww = sample.shape[1:3]
         ctx = encoder_hidden_states
+        if interventions is not None:
+            ctx = ctx if isinstance(ctx, TextContext) else self.text_context(ctx)
+            own = ctx.interventions
+            ctx = dataclasses.replace(ctx, interventions=interventions if own is None else interventions | own)
+        hooks = ctx.interventions if isinstance(ctx, TextContext) else None
         x = sample.astype(self.dtype)
         if c.center_input_sample:
             x = 2 * x - 1.0
-        temb = self._embed(timesteps, b, added_cond)
+        temb = self._embed(timesteps, b, added_cond, timestep_cond)
         features = tuple(down_intrablock_additional_residuals)
         if len(features) > c.levels + (self.mid_block is not None):
             raise SdxError(f"unet: {len(features)} down_intrablock_additional_residuals for {c.levels} down blocks"
@@ -638,7 +705,7 @@ class UNet2DConditionModel(UNetEncoder):
                 for i, (s, r) in enumerate(zip(skips, down_block_additional_residuals))
             )
         if self.mid_block is not None:
-            x = self._run(self.mid_block, x, temb, ctx)
+            (x,) = hooked(hooks, "mid_block", self._run(self.mid_block, x, temb, ctx))
             if len(features) > c.levels:
                 x = _add_intrablock(x, features[c.levels])
         if mid_block_additional_residual is not None:
@@ -649,7 +716,7 @@ class UNet2DConditionModel(UNetEncoder):
             n = len(block.resnets)
             res, skips = skips[-n:], skips[:-n]
             size = tuple(skips[-1].shape[1:3]) if odd and i < len(self.up_blocks) - 1 else None
-            x = self._run(block, x, res, temb, ctx, upsample_size=size)
+            (x,) = hooked(hooks, f"up_blocks.{i}", self._run(block, x, res, temb, ctx, upsample_size=size))
 
         x = jax.nn.silu(self.conv_norm_out(x))
         return widen(self.conv_out(x), rows)

@@ -176,7 +176,7 @@ def test_an_all_zero_negative_branch_runs_no_text_encoder(monkeypatch):
     text encoders are not run for them; a batch where some row has a negative prompt runs them."""
     runs = []
 
-    def encode(family, encoders, ids, clip_skip, dtype):  # stands in for the encoders; counts its runs
+    def encode(family, encoders, ids, clip_skip, dtype, *weighting):  # stands in for the encoders; counts its runs
         jax.debug.callback(lambda: runs.append(1))
         batch = ids["text_encoder"].shape[0]
         return jnp.ones((batch, 77, 8), dtype), jnp.ones((batch, 4), dtype)

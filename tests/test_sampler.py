@@ -31,7 +31,7 @@ from pipelines.request import Request
 from pipelines.sampler import _decode
 from sdx import mesh as meshlib
 from sdx.errors import SdxError
-from sdx.layers import Attention, Compute
+from sdx.layers import Compute, SkipBlankRows
 from sdx.sample import main
 from sdx.unet import UNet2DConditionModel
 from tests.processes import child_env
@@ -67,13 +67,13 @@ def test_prompt_seed_guidance_changes_do_not_recompile(tiny_xl, jax_events):
 
 def test_sdxl_without_a_negative_prompt_skips_the_negative_rows_cross_attentions(tiny_xl, monkeypatch):
     """force_zeros_for_empty_prompt: the negative branch reads zeros, so every attention that reads the
-    text is traced with its shortcut for the blank rows (`sdx.layers.Attention._blank_rows`); a run
+    text is traced with its shortcut for the blank rows (`sdx.layers.SkipBlankRows._skip`); a run
     without guidance has no negative branch, and no shortcut; nor has a request planned on a backend left
     out of `BLANK_ROWS_PLATFORMS` (the plan holds it, so the same pipeline compiles that program anew),
     whose image is the same."""
     traced = []
-    shortcut = Attention._blank_rows
-    monkeypatch.setattr(Attention, "_blank_rows", lambda self, *a: traced.append(self.key) or shortcut(self, *a))
+    shortcut = SkipBlankRows._skip
+    monkeypatch.setattr(SkipBlankRows, "_skip", lambda self, call: traced.append(call.path) or shortcut(self, call))
     pipe = Pipeline.load(tiny_xl, mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     assert pipe.family.force_zeros
     pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=2, guidance_scale=1.0))
@@ -422,7 +422,7 @@ def cli_error(capsys, *argv) -> str:
     [
         (["--height", "63", "--width", "64"], "multiples of"),
         (["--steps", "0"], "positive integer"),
-        (["--scheduler", "warp"], "invalid choice"),
+        (["--scheduler", "warp"], "unknown scheduler 'warp'"),
         (["--image", "/nonexistent/input.png"], "cannot read the image"),
         (["--latents", "/nonexistent/noise.npy"], "cannot read a .npy"),
         (["--num-images", "2", "--output", "one.png"], "one file but 2 images"),

@@ -450,7 +450,6 @@ def test_extra_keys_that_do_not_change_the_math_are_accepted():
     ("addition_embed_type", "text"),
     ("encoder_hid_dim", 768),
     ("encoder_hid_dim_type", "text_proj"),
-    ("time_cond_proj_dim", 256),
     ("time_embedding_act_fn", "silu"),
     ("timestep_post_act", "silu"),
     ("dual_cross_attention", True),
