@@ -17,6 +17,8 @@ _KNOWN = {  # pipeline class -> (xl, pix2pix, inpaint)
     "StableDiffusionImg2ImgPipeline": (False, False, False),
     "StableDiffusionInstructPix2PixPipeline": (False, True, False),
     "StableDiffusionInpaintPipeline": (False, False, True),
+    "LatentConsistencyModelPipeline": (False, False, False),  # SD 1.x with an LCM UNet (`guidance_embedded`)
+    "LatentConsistencyModelImg2ImgPipeline": (False, False, False),
     "StableDiffusionXLPipeline": (True, False, False),
     "StableDiffusionXLImg2ImgPipeline": (True, False, False),
     "StableDiffusionXLInstructPix2PixPipeline": (True, True, False),
@@ -36,7 +38,9 @@ class Family:
     time ids end with an aesthetic score (the refiner) instead of the target size; encoders: the text
     encoders present, in prompt order; force_zeros: a missing negative prompt means zero embeddings;
     scaled_image_latents: the pix2pix image latents are multiplied by the VAE's scaling factor (CosXL
-    edit models, `is_cosxl_edit` in model_index.json)."""
+    edit models, `is_cosxl_edit` in model_index.json); guidance_embedded: the UNet takes the guidance scale as
+    an embedding (an LCM UNet's time_cond_proj_dim), so no classifier-free guidance branch runs, as in diffusers'
+    pipelines (set by `Pipeline.from_models` from the UNet's config)."""
 
     xl: bool
     pix2pix: bool
@@ -45,6 +49,7 @@ class Family:
     force_zeros: bool
     scaled_image_latents: bool = False
     inpaint: bool = False
+    guidance_embedded: bool = False
 
     @property
     def name(self) -> str:

@@ -15,7 +15,7 @@ field of the model (`attention=`), never a global:
   and masked (`_cudnn`): JAX refuses odd lengths in the cuDNN backward, which training needs.
   `python -m sdx.sample`'s default for float16 and bfloat16 on NVIDIA GPUs that have it (compute
   capability 8.0 or later): SDXL at 1024² in bfloat16 on an H100 samples 1.9× faster than with `xla`
-  (benchmarks/README.md).
+  (benchmarks/LOG.md).
 - `chunked`: one head, `chunk_size` queries and `shards` rows of the batch at a time under `lax.map`, so
   only a (shards, chunk, tokens_k) block of logits exists at once, in the forward or the backward pass.
   `shards` is the number of devices the batch is split over (1 on one device): a block takes one row
@@ -23,7 +23,7 @@ field of the model (`attention=`), never a global:
   works on one image's logits at a time. Attentions with fewer than `BLOCKED_LOGITS` logits per head and
   image run as `xla`. For very long sequences (the 128² latent of a 2048² image has 16,384 tokens: 1 GiB
   of float32 logits per head and image), and faster on a CPU from 1,024 tokens on, where the blocks stay
-  in cache (benchmarks/README.md: SD 1.5's 1,024- and 4,096-token self-attentions 2.5-3× faster than
+  in cache (benchmarks/LOG.md: SD 1.5's 1,024- and 4,096-token self-attentions 2.5-3× faster than
   `xla`; with the whole guidance batch in every block instead of one image, a 4,096-token one took 1.07×
   as long at one image and 1.9× at four), so `python -m sdx.sample` takes it there by default
   (`default_backend`).
@@ -50,9 +50,10 @@ _log = logging.getLogger(__name__)
 _LAYOUTS = {4: ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), 3: ("bqd,bkd->bqk", "bqk,bkd->bqd")}
 
 
-def _reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool) -> jax.Array:
+def _reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool,
+               key_mask: jax.Array | None = None) -> jax.Array:
     """Attention with float32 logits and softmax. q: (B, Tq, H, D), k/v: (B, Tk, H, D); or one head,
-    q: (B, Tq, D), k/v: (B, Tk, D).
+    q: (B, Tq, D), k/v: (B, Tk, D). key_mask (B, Tk) bool: the keys each row may attend to (all if None).
 
     The softmax's division is applied to the (B, Tq, H, D) output instead of the (B, H, Tq, Tk)
     weights: one pass less over the largest tensor (about 30% faster at SD 1.5's 4096 tokens on a CPU,
@@ -67,6 +68,9 @@ def _reference(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: b
         tq, tk = q.shape[1], k.shape[1]
         keep = jnp.tril(jnp.ones((tq, tk), dtype=bool), k=tk - tq)
         logits = jnp.where(keep, logits, jnp.finfo(jnp.float32).min)
+    if key_mask is not None:  # (B, Tk) -> the logits' (B, [1,] 1, Tk)
+        seen = key_mask[:, None, None, :] if q.ndim == 4 else key_mask[:, None, :]
+        logits = jnp.where(seen, logits, jnp.finfo(jnp.float32).min)
     top = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))  # any shift gives the same softmax
     weights = jnp.exp(logits - top)  # unnormalised, (B, H, Tq, Tk) or (B, Tq, Tk)
     out = jnp.einsum(pv, weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -179,11 +183,15 @@ def dot_product_attention(
     scale: float | None = None,
     chunk_size: int = 512,
     shards: int = 1,
+    key_mask: jax.Array | None = None,
 ) -> jax.Array:
     """Attention over split heads. q: (B, Tq, H, D); k, v: (B, Tk, H, D) -> (B, Tq, H, D). chunk_size,
-    shards: the `chunked` backend's queries per block and the devices the batch is split over."""
+    shards: the `chunked` backend's queries per block and the devices the batch is split over. key_mask
+    (B, Tk) bool: the keys each row may attend to (a text encoder's attention mask); it runs `xla`."""
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if key_mask is not None:
+        return _reference(q, k, v, scale, causal, key_mask)
     if backend == "xla":
         return _reference(q, k, v, scale, causal)
     if backend == "cudnn":

@@ -169,12 +169,12 @@ class CLIPAttention(nnx.Module):
         self.v_proj = linear(cp, d, d, rngs=rngs)
         self.out_proj = linear(cp, d, d, rngs=rngs)
 
-    def __call__(self, x):
+    def __call__(self, x, key_mask=None):
         b, t, _ = x.shape
         split = lambda a: a.reshape(b, t, self.heads, self.head_dim)  # (B, T, H, D)  # noqa: E731
         o = dot_product_attention(
             split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)),
-            backend=self.backend, causal=self.causal,
+            backend=self.backend, causal=self.causal, key_mask=key_mask,
         )
         return self.out_proj(o.reshape(b, t, self.heads * self.head_dim))  # (B, T, C)
 
@@ -198,8 +198,8 @@ class CLIPEncoderLayer(nnx.Module):
         self.mlp = CLIPMLP(cfg, cp, rngs=rngs)
         self.layer_norm2 = LayerNorm(cp, cfg.hidden_size, cfg.layer_norm_eps, rngs=rngs)
 
-    def __call__(self, x):
-        x = x + self.self_attn(self.layer_norm1(x))
+    def __call__(self, x, key_mask=None):
+        x = x + self.self_attn(self.layer_norm1(x), key_mask)
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -208,12 +208,14 @@ class CLIPEncoder(nnx.Module):
         self.layers = nnx.List([CLIPEncoderLayer(cfg, cp, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
         self.remat = cp.remat  # each layer rematerialised in the backward pass (a trained encoder's LoRA)
 
-    def __call__(self, x) -> tuple[jax.Array, ...]:
-        """Returns (x, layer 1 output, ..., layer N output)."""
+    def __call__(self, x, key_mask=None) -> tuple[jax.Array, ...]:
+        """Returns (x, layer 1 output, ..., layer N output). key_mask (B, T) bool: the tokens attention may
+        read (transformers' attention_mask), or None."""
         states = [x]
         for layer in self.layers:
             x = states[-1]
-            states.append(rematerialised(outline.call, layer, x) if self.remat else outline.call(layer, x))
+            args = (x,) if key_mask is None else (x, key_mask)
+            states.append(rematerialised(outline.call, layer, *args) if self.remat else outline.call(layer, *args))
         return tuple(states)
 
 
@@ -244,7 +246,8 @@ class CLIPTextModel(nnx.Module):
 
     `model(input_ids)` with input_ids (B, T) int32, T <= max_position_embeddings (77), returns a
     `CLIPTextOutput`. Nothing here pads or masks: pass the tokenizer's padded ids, as diffusers does
-    (the SD pipelines give no attention mask; the causal mask alone applies).
+    (the SD pipelines give no attention mask; the causal mask alone applies). `attention_mask` (B, T), 1
+    where a token may be attended to, is transformers' (compel's down-weighting masks a prompt's words out).
     """
 
     def __init__(self, config: TextEncoderConfig, cp: Compute = F32, *, rngs: nnx.Rngs):
@@ -254,13 +257,14 @@ class CLIPTextModel(nnx.Module):
             linear(cp, config.hidden_size, config.projection_dim, bias=False, rngs=rngs) if config.with_projection else None
         )
 
-    def __call__(self, input_ids: jax.Array) -> CLIPTextOutput:
+    def __call__(self, input_ids: jax.Array, attention_mask: jax.Array | None = None) -> CLIPTextOutput:
         if input_ids.ndim != 2 or input_ids.shape[1] > self.config.max_position_embeddings:
             raise ValueError(
                 f"input_ids must be (batch, tokens<= {self.config.max_position_embeddings}), got {input_ids.shape}"
             )
         tm = self.text_model
-        hidden_states = tm.encoder(tm.embeddings(input_ids))
+        key_mask = None if attention_mask is None else jnp.asarray(attention_mask) > 0
+        hidden_states = tm.encoder(tm.embeddings(input_ids), key_mask)
         last = tm.final_layer_norm(hidden_states[-1])  # (B, T, C)
         pooled = last[jnp.arange(last.shape[0]), eos_positions(input_ids, self.config.eos_token_id)]  # (B, C)
         text_embeds = self.text_projection(pooled) if self.text_projection is not None else None

@@ -40,6 +40,7 @@ from sdx.config import (
     Kind,
     check_types,
     is_list,
+    list_of,
     optional,
     plain,
 )
@@ -151,7 +152,6 @@ UNET_FIXED: dict[str, tuple[Any, ...]] = {
     "time_embedding_type": ("positional",),
     "time_embedding_act_fn": (None,),
     "timestep_post_act": (None,),
-    "time_cond_proj_dim": (None,),
     "class_embed_type": (None,),
     "num_class_embeds": (None,),
     "class_embeddings_concat": (False,),
@@ -176,7 +176,7 @@ UNET_KINDS: dict[str, Kind] = {
     "upcast_attention": optional(FLAG), "norm_num_groups": COUNT, "norm_eps": POSITIVE,
     "downsample_padding": NATURAL, "mid_block_scale_factor": NUMBER, "center_input_sample": FLAG,
     "conv_in_kernel": COUNT, "conv_out_kernel": COUNT, "flip_sin_to_cos": FLAG, "freq_shift": NUMBER,
-    "time_embedding_dim": optional(COUNT), "addition_embed_type": optional(NAME),
+    "time_embedding_dim": optional(COUNT), "time_cond_proj_dim": optional(COUNT), "addition_embed_type": optional(NAME),
     "addition_time_embed_dim": optional(COUNT), "projection_class_embeddings_input_dim": optional(COUNT),
     "sample_size": optional(COUNTS),
 }
@@ -253,6 +253,7 @@ def unet_fields(d: Mapping[str, Any], label: str = UNET) -> dict[str, Any]:
         flip_sin_to_cos=bool(f["flip_sin_to_cos"]),
         freq_shift=f["freq_shift"],
         time_embedding_dim=f["time_embedding_dim"],
+        time_cond_proj_dim=f["time_cond_proj_dim"],
         addition_embed_type=f["addition_embed_type"],
         addition_time_embed_dim=f["addition_time_embed_dim"],
         projection_class_embeddings_input_dim=f["projection_class_embeddings_input_dim"],
@@ -375,18 +376,17 @@ VAE_DEFAULTS: dict[str, Any] = {
 VAE_HONOURED = (
     "in_channels", "out_channels", "block_out_channels", "layers_per_block", "latent_channels", "norm_num_groups",
     "use_quant_conv", "use_post_quant_conv", "mid_block_add_attention", "scaling_factor", "shift_factor",
-    "force_upcast", "sample_size",
+    "latents_mean", "latents_std", "force_upcast", "sample_size",
 )
 VAE_FIXED: dict[str, tuple[Any, ...]] = {
     "act_fn": ("silu", "swish"),
-    "latents_mean": (None,),  # SD3/Flux-style latent normalisation
-    "latents_std": (None,),
 }
 _VAE_BLOCKS = {"down_block_types": "DownEncoderBlock2D", "up_block_types": "UpDecoderBlock2D"}
 VAE_KINDS: dict[str, Kind] = {
     "in_channels": COUNT, "out_channels": COUNT, "down_block_types": NAMES, "up_block_types": NAMES,
     "block_out_channels": COUNT_LIST, "layers_per_block": DEPTH, "latent_channels": COUNT, "norm_num_groups": COUNT,
     "sample_size": optional(COUNTS), "scaling_factor": NUMBER, "shift_factor": optional(NUMBER),
+    "latents_mean": optional(list_of(NUMBER)), "latents_std": optional(list_of(NUMBER)),
     "force_upcast": FLAG, "use_quant_conv": FLAG, "use_post_quant_conv": FLAG, "mid_block_add_attention": FLAG,
 }
 

@@ -137,6 +137,8 @@ PIPELINES: dict[str, PipelineKind] = {
     "StableDiffusionImg2ImgPipeline": _SD,
     "StableDiffusionInstructPix2PixPipeline": _SD,
     "StableDiffusionInpaintPipeline": _SD,
+    "LatentConsistencyModelPipeline": _SD,  # SD 1.x with an LCM UNet (time_cond_proj_dim) and LCMScheduler
+    "LatentConsistencyModelImg2ImgPipeline": _SD,
     "StableDiffusionXLPipeline": _SDXL,
     "StableDiffusionXLImg2ImgPipeline": _SDXL,  # the refiner has no first text encoder
     "StableDiffusionXLInstructPix2PixPipeline": _SDXL,

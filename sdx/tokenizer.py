@@ -274,6 +274,14 @@ class CLIPTokenizer:
         row = [self.bos_id, *ids[:body], self.eos_id]
         return row + [self.pad_id] * (self.max_length - len(row))
 
+    def wrap(self, ids: Sequence[int]) -> list[int]:
+        """One encoder input row of content ids: BOS, the first max_length-2 of them, EOS, pad ids."""
+        return self._wrap(ids)
+
+    def token(self, i: int) -> str:
+        """The vocabulary entry of id `i`: its BPE text, `</w>` ending a word."""
+        return self._tok.id_to_token(int(i))
+
     def encode(self, texts: Sequence[str]) -> Tokenized:
         """Padded/truncated ids and, per prompt, the truncated-away text (None when it all fit)."""
         content = self.content_ids(texts)

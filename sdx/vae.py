@@ -57,6 +57,8 @@ class VAEConfig(JsonConfig):
     mid_block_add_attention: bool = True
     scaling_factor: float = 0.18215
     shift_factor: float | None = None
+    latents_mean: tuple[float, ...] | None = None  # per latent channel (Playground v2.5's VAE)
+    latents_std: tuple[float, ...] | None = None
     force_upcast: bool = True
     sample_size: int | tuple[int, ...] = 512
 
@@ -76,6 +78,18 @@ class VAEConfig(JsonConfig):
             raise SdxError(f"VAE config: layers_per_block={self.layers_per_block} must be at least 1")
         if not self.scaling_factor:
             raise SdxError("VAE config: scaling_factor must be a non-zero number")
+        for name in ("latents_mean", "latents_std"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(float(v) for v in value))
+                if len(getattr(self, name)) != self.latent_channels:
+                    raise SdxError(f"VAE config: {name} has {len(value)} entries for {self.latent_channels} latent "
+                                   "channels")
+        if (self.latents_mean is None) != (self.latents_std is None):
+            raise SdxError("VAE config: latents_mean and latents_std go together (give both, or neither)")
+        if self.latents_std is not None and (self.shift_factor is not None or not all(self.latents_std)):
+            raise SdxError("VAE config: latents_std must be non-zero, and latents_mean/latents_std do not go with "
+                           "shift_factor")
 
     def tiles(self, decoding: bool) -> vae_tiles.Tiles:
         """Where a tiled decode's (or encode's) tiles are: diffusers' sizes, tiles of `sample_size` image pixels
@@ -91,13 +105,21 @@ class VAEConfig(JsonConfig):
         return 2 ** (len(self.block_out_channels) - 1)
 
     def to_latents(self, z: jax.Array) -> jax.Array:
-        """Raw VAE latent (a posterior sample or mode) -> the diffusion model's latent: (z - shift) * scale."""
+        """Raw VAE latent (a posterior sample or mode, (..., C)) -> the diffusion model's latent: (z - shift) *
+        scale, or with per-channel statistics (z - mean) * scale / std (diffusers' SDXL img2img pipeline)."""
+        if self.latents_mean is not None:
+            std, mean = (jnp.asarray(v, z.dtype) for v in (self.latents_std, self.latents_mean))
+            return (z - mean) * self.scaling_factor / std
         if self.shift_factor is not None:
             z = z - self.shift_factor
         return z * self.scaling_factor
 
     def from_latents(self, latents: jax.Array) -> jax.Array:
-        """The diffusion model's latent -> raw VAE latent for `decode`: latents / scale + shift."""
+        """The diffusion model's latent -> raw VAE latent for `decode`: latents / scale + shift, or latents * std /
+        scale + mean."""
+        if self.latents_mean is not None:
+            std, mean = (jnp.asarray(v, latents.dtype) for v in (self.latents_std, self.latents_mean))
+            return latents * std / self.scaling_factor + mean
         z = latents / self.scaling_factor
         if self.shift_factor is not None:
             z = z + self.shift_factor

@@ -43,6 +43,7 @@ CASES = {
     "euler_a": ("euler_a", {}),
     "euler_a_unguided": ("euler_a", {"guidance_scale": 1.0}),
     "ddim_eta_1": ("ddim", {}),
+    "dpmpp_sde": ("dpmpp_sde", {}),  # its Brownian path from the image's key (Scheduler.draw_noise)
     "img2img": ("euler", {"image": "image", "strength": 0.7}),  # a deterministic sampler: the posterior sample alone
     "pix2pix": ("euler_a", {"image": "image"}),
 }

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import inspect
 import itertools
 from types import SimpleNamespace
 from unittest import mock
@@ -29,9 +30,31 @@ import torch
 from diffusers import StableDiffusionXLImg2ImgPipeline
 
 from sdx import schedulers
-from sdx.schedulers import DDIM, DDPM, LMS, PNDM, DPMSolverMultistep, Euler, EulerAncestral, Heun, UniPC
+from sdx.schedulers import (
+    DDIM,
+    DDPM,
+    KDPM2,
+    LCM,
+    LMS,
+    PNDM,
+    TCD,
+    DEISMultistep,
+    DPMSolverMultistep,
+    DPMSolverSDE,
+    DPMSolverSinglestep,
+    EDMDPMSolverMultistep,
+    EDMEuler,
+    Euler,
+    EulerAncestral,
+    Heun,
+    KDPM2Ancestral,
+    UniPC,
+)
+from sdx.schedulers.edm import EDMScheduler
+from sdx.schedulers.two_stage import TwoStage, interleaved
 
 RTOL = 1e-5  # max |ours - diffusers| / max |diffusers|, per intermediate sample
+RTOL_ODE = 2e-6  # the same for the deterministic samplers of the `MORE` grid and the new ladders (measured: <= 7e-7)
 SHAPE = (2, 4, 4, 3)
 PHASE = np.linspace(0, 3, int(np.prod(SHAPE)), dtype=np.float32).reshape(SHAPE)
 SD = {"beta_schedule": "scaled_linear", "beta_start": 0.00085, "beta_end": 0.012}
@@ -47,10 +70,24 @@ def model_jax(x, t):
     return 0.5 * jnp.tanh(x) + 0.3 * jnp.cos(0.01 * t + PHASE)
 
 
+NOT_CONFIG = {"eta", "sde_third_order"}  # our fields that are step arguments or sdx's own choices
+
+
 def diffusers_config(sched) -> dict:
     """The diffusers config dict that describes `sched` (our fields are diffusers' names)."""
-    cfg = {f.name: getattr(sched, f.name) for f in dataclasses.fields(sched) if f.name != "eta"}
+    skip = NOT_CONFIG | (sched.inert if isinstance(sched, EDMScheduler) else set())
+    cfg = {f.name: getattr(sched, f.name) for f in dataclasses.fields(sched) if f.name not in skip}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+
+
+def step_kwargs(d, sched, noise) -> dict:
+    """The step arguments diffusers' pipelines pass: DDIM's and TCD's eta (DDIM's noise as variance_noise)."""
+    params = inspect.signature(d.step).parameters
+    eta = getattr(sched, "eta", 0.0)
+    kwargs = {"eta": eta} if "eta" in params else {}
+    if eta and "variance_noise" in params:
+        kwargs["variance_noise"] = noise
+    return kwargs
 
 
 def reference(sched, n, x, noises, *, strength=None, denoising_start=None, denoising_end=None, x0=None):
@@ -77,14 +114,14 @@ def reference(sched, n, x, noises, *, strength=None, denoising_start=None, denoi
     call = [0]
     patch = (mock.patch.object(module, "randn_tensor", lambda *a, **k: noises[call[0]])
              if hasattr(module, "randn_tensor") else contextlib.nullcontext())
-    eta = getattr(sched, "eta", 0.0)
+    if isinstance(d, diffusers.DPMSolverSDEScheduler):  # its Brownian noise sampler, given the same noise
+        d.noise_sampler = lambda sigma, sigma_next: noises[call[0]]
     samples = []
     with patch:
         for i, t in enumerate(timesteps):
             call[0] = i
             out = torch.from_numpy(model(d.scale_model_input(sample, t).numpy(), t.item(), np.float64))
-            kwargs = {"eta": eta, "variance_noise": noises[i]} if eta else {}
-            sample = d.step(out, t, sample, **kwargs).prev_sample
+            sample = d.step(out, t, sample, **step_kwargs(d, sched, noises[i])).prev_sample
             samples.append(sample.numpy().copy())
     return d, timesteps.numpy(), np.stack(samples)
 
@@ -120,7 +157,10 @@ def check_schedule(sched, d, n):
     allow a few float32 ulps."""
     np.testing.assert_allclose(sched.timesteps(n), d.timesteps.numpy().astype(np.float32), rtol=1e-5, atol=1e-5)
     if hasattr(d, "sigmas") and "sigmas" in sched.schedule(n):
-        np.testing.assert_allclose(sched.schedule(n)["sigmas"], d.sigmas.numpy(), rtol=2e-6, atol=1e-7)
+        sigmas = sched.schedule(n)["sigmas"]
+        if isinstance(sched, TwoStage):  # ours: one per step; diffusers': per call
+            sigmas = interleaved(sigmas)[:len(d.sigmas)]
+        np.testing.assert_allclose(sigmas, d.sigmas.numpy(), rtol=2e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(sched.set_timesteps(n, SHAPE).init_noise_sigma),
                                np.float32(d.init_noise_sigma), rtol=1e-6)
 
@@ -190,15 +230,88 @@ def extra_cells():
                 yield pytest.param(cls, cfg, n, id=f"{cls.__name__}-extra{j}-{n}")
 
 
-@pytest.mark.parametrize("cls,cfg,n", [*grid_cells(), *extra_cells()])
-def test_trajectory_matches_diffusers(cls, cfg, n):
+# The samplers added for few-step models, A1111's and ComfyUI's samplers and EDM models: a lighter grid (one
+# step count per cell, alternating 7 and 20), their options beyond it, and every sigma ladder once.
+EDM = {"sigma_min": 0.002, "sigma_max": 80.0, "sigma_data": 0.5}
+MORE = {
+    LCM: [{"original_inference_steps": 30, "timestep_scaling": 5.0}, {"clip_sample": True},
+          {"beta_schedule": "linear", "beta_start": 0.0001, "beta_end": 0.02}],
+    TCD: [{"eta": 0.0}, {"eta": 1.0}, {"eta": 0.5, "original_inference_steps": 100}],
+    DPMSolverMultistep: [{"algorithm_type": "sde-dpmsolver++", **extra} for extra in (
+        {}, {"solver_order": 1}, {"solver_order": 3}, {"solver_type": "heun"}, {"use_karras_sigmas": True},
+        {"final_sigmas_type": "sigma_min"}, {"solver_order": 3, "lower_order_final": False},
+        {"rescale_betas_zero_snr": True, "prediction_type": "v_prediction", "timestep_spacing": "trailing"})],
+    DPMSolverSinglestep: [{"solver_order": order, "solver_type": solver, "algorithm_type": algorithm}
+                          for order, solver, algorithm in itertools.product(
+                              (1, 2, 3), ("midpoint", "heun"), ("dpmsolver++", "sde-dpmsolver++"))]
+    + [{"final_sigmas_type": "sigma_min", "lower_order_final": False, "solver_order": 3},
+       {"lambda_min_clipped": -5.1}, {"use_karras_sigmas": True, "solver_order": 3}],
+    KDPM2: [{"beta_schedule": "linear"}, {"use_karras_sigmas": True, "timestep_spacing": "trailing"}],
+    KDPM2Ancestral: [{"use_karras_sigmas": True, "prediction_type": "v_prediction"}],
+    DEISMultistep: [{"solver_order": 1}, {"solver_order": 3}, {"solver_order": 3, "lower_order_final": False},
+                    {"use_karras_sigmas": True, "solver_order": 3}],
+    DPMSolverSDE: [{"use_karras_sigmas": True}, {"beta_schedule": "linear"}],
+    EDMEuler: [{"sigma_schedule": schedule, "prediction_type": pred, "final_sigmas_type": final}
+               for schedule, pred, final in itertools.product(("karras", "exponential"), ("epsilon", "v_prediction"),
+                                                              ("zero", "sigma_min"))]
+    + [{"sigma_data": 1.0, "sigma_max": 120.0, "rho": 5.0}],
+    EDMDPMSolverMultistep: [{"solver_order": order, "solver_type": solver, "algorithm_type": algorithm}
+                            for order, solver, algorithm in ((1, "midpoint", "dpmsolver++"), (2, "midpoint", "dpmsolver++"),
+                                                             (3, "midpoint", "dpmsolver++"), (2, "heun", "dpmsolver++"),
+                                                             (2, "midpoint", "sde-dpmsolver++"),
+                                                             (2, "heun", "sde-dpmsolver++"))]
+    + [{"sigma_schedule": "exponential", "prediction_type": "v_prediction"}, {"final_sigmas_type": "sigma_min"},
+       {"euler_at_final": True, "lower_order_final": False}],
+}
+
+
+def more_cells():
+    j = 0
+    for cls, extras in MORE.items():
+        fields = {f.name for f in dataclasses.fields(cls)}
+        base = [] if issubclass(cls, EDMScheduler) or cls is DPMSolverMultistep else [
+            {"timestep_spacing": spacing, "steps_offset": int(spacing == "leading"), "prediction_type": pred,
+             "rescale_betas_zero_snr": z} if "rescale_betas_zero_snr" in fields else
+            {"timestep_spacing": spacing, "steps_offset": int(spacing == "leading"), "prediction_type": pred}
+            for spacing, pred, z in itertools.product(("leading",) if not cls.spaced else ("leading", "trailing", "linspace"),
+                                                      cls.prediction_types, (False, True))
+            if not (z and (pred == "epsilon" or "rescale_betas_zero_snr" not in fields))]
+        ladders = [{f"use_{kind}_sigmas": True} for kind in ("karras", "exponential", "beta")
+                   if f"use_{kind}_sigmas" in fields]
+        for k, extra in enumerate([*base, *ladders, *extras]):
+            j += 1
+            n = (7, 20)[j % 2]
+            root = EDM if issubclass(cls, EDMScheduler) else {**SD, "timestep_spacing": "leading", "steps_offset": 1}
+            yield pytest.param(cls, {**root, **extra}, n, id=f"{cls.__name__}-more{k}-{n}")
+
+
+# the ladders the older samplers gained (exponential, beta)
+LADDER_CELLS = [pytest.param(cls, {**SD, "timestep_spacing": "leading", "steps_offset": 1, "clip_sample": False,
+                                   f"use_{kind}_sigmas": True, **extra}, n, id=f"{cls.__name__}-{kind}-{n}")
+                for j, ((cls, extra), kind) in enumerate(itertools.product(
+                    [(Euler, {}), (Heun, {}), (LMS, {}), (DPMSolverMultistep, {}),
+                     (UniPC, {"final_sigmas_type": "sigma_min"})], ("exponential", "beta")))
+                for n in [(7, 20)[j % 2]]]
+
+
+def check_trajectory(cls, cfg, n, rtol):
     sched = cls.from_config(cfg)
     x, noises = inputs(sched, n, seed=n)
     d, timesteps, ref = reference(sched, n, x, noises)
     check_schedule(sched, d, n)
     _, got = ours(sched, n, x, noises)
     assert got.shape == ref.shape
-    assert rel_err(got, ref) < RTOL
+    assert rel_err(got, ref) < rtol(sched)
+
+
+@pytest.mark.parametrize("cls,cfg,n", [*grid_cells(), *extra_cells()])
+def test_trajectory_matches_diffusers(cls, cfg, n):
+    check_trajectory(cls, cfg, n, lambda sched: RTOL)
+
+
+@pytest.mark.parametrize("cls,cfg,n", [*more_cells(), *LADDER_CELLS])
+def test_more_trajectories_match_diffusers(cls, cfg, n):
+    check_trajectory(cls, cfg, n, lambda sched: RTOL if sched.stochastic else RTOL_ODE)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -208,10 +321,20 @@ CUTS = [dict(strength=0.6), dict(strength=0.35), dict(denoising_start=0.7), dict
         dict(denoising_end=0.8), dict(strength=1.0, denoising_start=0.3, denoising_end=0.8)]
 
 
-@pytest.mark.parametrize("cut", CUTS, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-@pytest.mark.parametrize("name", list(schedulers.SCHEDULERS))
+cut_id = lambda c: "-".join(f"{k}{v}" for k, v in c.items())
+FIRST = ["euler", "euler_a", "heun", "ddim", "ddpm", "pndm", "lms", "dpmpp_2m", "dpmpp_2m_karras", "unipc"]
+# the later samplers with a diffusers class, on a strength cut and a refiner hand-over (the 2nd-order rule);
+# EDM samplers have no hand-over (their timesteps are noise levels), dpmpp_3m_sde and dpmpp_2s_a no diffusers
+# reference (tests/test_schedulers_kdiffusion.py)
+LATER = ["lcm", "tcd", "deis", "dpmpp_2m_sde", "dpmpp_2s", "dpmpp_3s", "dpmpp_sde", "dpm2", "dpm2_a"]
+IMG2IMG = [*itertools.product(FIRST, CUTS), *itertools.product(LATER, [CUTS[0], CUTS[3]]),
+           *itertools.product(["edm_euler", "edm_dpmpp_2m_sde"], [CUTS[0]])]
+
+
+@pytest.mark.parametrize("name,cut", IMG2IMG, ids=[f"{n}-{cut_id(c)}" for n, c in IMG2IMG])
 def test_img2img_matches_diffusers(name, cut):
-    sched = schedulers.from_name(name, {**SD, "timestep_spacing": "leading", "steps_offset": 1,
+    root = {"_class_name": "EDMEulerScheduler", **EDM} if name.startswith("edm") else SD
+    sched = schedulers.from_name(name, {**root, "timestep_spacing": "leading", "steps_offset": 1,
                                         "clip_sample": False, "skip_prk_steps": True})
     n = 10
     x, noises = inputs(sched, n, seed=1)
@@ -224,7 +347,8 @@ def test_img2img_matches_diffusers(name, cut):
                                   denoising_end=cut.get("denoising_end"))
     begin, end = schedulers.denoising_range(sched, n, **cut)
     state, got = ours(sched, n, x, noises, begin=begin, end=end, x0=x0, from_latents=refiner)
-    np.testing.assert_array_equal(np.asarray(state.timesteps), timesteps.astype(np.float32))
+    # fractional timesteps (midpoints, EDM's log sigma) within a float32 ulp
+    np.testing.assert_allclose(np.asarray(state.timesteps), timesteps.astype(np.float32), rtol=2e-7, atol=1e-7)
     assert rel_err(got, ref) < RTOL
 
 
@@ -245,12 +369,14 @@ JIT_CELLS = {
     "euler": {"use_karras_sigmas": True}, "euler_a": {}, "heun": {}, "ddim": {"timestep_spacing": "trailing"},
     "ddpm": {}, "pndm": {"skip_prk_steps": False}, "lms": {}, "dpmpp_2m_karras": {"solver_order": 3},
     "unipc": {"prediction_type": "v_prediction"},
+    "lcm": {}, "dpmpp_2m_sde_karras": {}, "dpmpp_sde": {}, "dpm2_a": {}, "edm_euler": {},
 }
 
 
 @pytest.mark.parametrize("name", list(JIT_CELLS))
 def test_jit_loop_no_recompile(name):
-    cfg = {**SD, "timestep_spacing": "leading", "steps_offset": 1, "clip_sample": False, **JIT_CELLS[name]}
+    root = {"_class_name": "EDMEulerScheduler", **EDM} if name.startswith("edm") else SD
+    cfg = {**root, "timestep_spacing": "leading", "steps_offset": 1, "clip_sample": False, **JIT_CELLS[name]}
     sched, n = schedulers.from_name(name, cfg), 8
     x, noises = inputs(sched, n, seed=3)
     _, _, ref = reference(sched, n, x, noises)

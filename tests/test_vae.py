@@ -289,8 +289,6 @@ def test_scaling_helpers():
         ({"act_fn": "gelu"}, "act_fn"),
         ({"down_block_types": ["DownEncoderBlock2D"] * 3 + ["AttnDownEncoderBlock2D"]}, "down_block_types"),
         ({"up_block_types": ["UpDecoderBlock2D"] * 3}, "up_block_types"),
-        ({"latents_mean": [0.0] * 4}, "latents_mean"),
-        ({"latents_std": [1.0] * 4}, "latents_std"),
         ({"_class_name": "AutoencoderTiny"}, "_class_name"),
         ({"norm_type": "spatial"}, "norm_type"),  # a field sdx does not know: it might change the math
         ({"norm_num_groups": 48}, "norm_num_groups"),
@@ -299,6 +297,30 @@ def test_scaling_helpers():
 def test_unimplemented_config_is_an_error(change, field):
     with pytest.raises(SdxError, match=field):
         VAEConfig.from_diffusers_config({**_SD15_CONFIG, **change})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"latents_mean": [0.0] * 4}, "latents_mean and latents_std go together"),
+    ({"latents_mean": [0.0] * 3, "latents_std": [1.0] * 3}, "latents_mean has 3 entries for 4 latent channels"),
+    ({"latents_mean": [0.0] * 4, "latents_std": [1.0, 0.0, 1.0, 1.0]}, "latents_std must be non-zero"),
+])
+def test_latent_statistics_are_checked(change, message):
+    with pytest.raises(SdxError, match=message):
+        VAEConfig.from_diffusers_config({**_SD15_CONFIG, **change})
+
+
+def test_latent_statistics_scale_each_channel_as_diffusers_sdxl_pipelines():
+    """Playground v2.5's VAE: encode (z - mean) * scale / std (SDXL img2img), decode latents * std / scale + mean."""
+    mean, std = [-1.6574, 1.886, -1.383, 2.5155], [8.4927, 5.9022, 6.8341, 5.4722]
+    cfg = VAEConfig.from_diffusers_config({**_SD15_CONFIG, "scaling_factor": 0.5, "latents_mean": mean, "latents_std": std})
+    z = np.random.default_rng(0).standard_normal((2, 3, 5, 4)).astype(np.float32)  # NHWC
+    m, s = (torch.tensor(v).view(1, 4, 1, 1) for v in (mean, std))
+    zt = torch.from_numpy(z).permute(0, 3, 1, 2)
+    want = ((zt - m) * 0.5 / s).permute(0, 2, 3, 1).numpy()
+    np.testing.assert_allclose(cfg.to_latents(jnp.asarray(z)), want, rtol=1e-6)
+    np.testing.assert_allclose(cfg.from_latents(jnp.asarray(want)), (torch.from_numpy(want).permute(0, 3, 1, 2) * s / 0.5
+                                                                     + m).permute(0, 2, 3, 1).numpy(), rtol=1e-6)
+    assert VAEConfig.from_diffusers_config(cfg.to_diffusers_config()) == cfg
 
 
 def test_every_diffusers_field_is_accounted_for():

@@ -6,7 +6,8 @@
     state = sched.set_timesteps(steps, latents.shape, begin=begin, end=end)
     # loop over state.num_calls model calls: see `Scheduler`
 
-Training targets (add_noise, get_velocity, snr) live in `sdx.schedulers.training`.
+`--scheduler` names (sdx's, ladder suffixes, A1111/ComfyUI names) are in `sdx.schedulers.names`; training
+targets (add_noise, get_velocity, snr) in `sdx.schedulers.training`.
 """
 
 from __future__ import annotations
@@ -18,29 +19,26 @@ from sdx.errors import SdxError
 from sdx.schedulers.common import Scheduler, State, denoising_range
 from sdx.schedulers.ddim import DDIM
 from sdx.schedulers.ddpm import DDPM
+from sdx.schedulers.deis import DEISMultistep
 from sdx.schedulers.dpmpp_2m import DPMSolverMultistep
+from sdx.schedulers.dpmpp_2s_ancestral import DPMSolverSinglestepAncestral
+from sdx.schedulers.dpmpp_sde import DPMSolverSDE
+from sdx.schedulers.dpmpp_singlestep import DPMSolverSinglestep
+from sdx.schedulers.edm_dpmpp_2m import EDMDPMSolverMultistep
+from sdx.schedulers.edm_euler import EDMEuler
 from sdx.schedulers.euler import Euler
 from sdx.schedulers.euler_ancestral import EulerAncestral
 from sdx.schedulers.heun import Heun
+from sdx.schedulers.kdpm2 import KDPM2
+from sdx.schedulers.kdpm2_ancestral import KDPM2Ancestral
+from sdx.schedulers.lcm import LCM
 from sdx.schedulers.lms import LMS
+from sdx.schedulers.names import SCHEDULERS, canonical, from_name
 from sdx.schedulers.pndm import PNDM
+from sdx.schedulers.tcd import TCD
 from sdx.schedulers.unipc import UniPC
 
-# `--scheduler` names: the class plus the config fields the name itself fixes
-SCHEDULERS: dict[str, tuple[type[Scheduler], dict[str, Any]]] = {
-    "euler": (Euler, {}),
-    "euler_a": (EulerAncestral, {}),
-    "heun": (Heun, {}),
-    "ddim": (DDIM, {}),
-    "ddpm": (DDPM, {}),
-    "pndm": (PNDM, {}),
-    "lms": (LMS, {}),
-    "dpmpp_2m": (DPMSolverMultistep, {"algorithm_type": "dpmsolver++", "solver_order": 2, "use_karras_sigmas": False}),
-    "dpmpp_2m_karras": (DPMSolverMultistep, {"algorithm_type": "dpmsolver++", "solver_order": 2,
-                                             "use_karras_sigmas": True}),
-    "unipc": (UniPC, {}),
-}
-_BY_CLASS = {cls.diffusers_class: cls for cls, _ in SCHEDULERS.values()}
+_BY_CLASS = {cls.diffusers_class: cls for cls, _ in SCHEDULERS.values() if cls.diffusers_class}
 
 
 def from_config(config: Mapping[str, Any]) -> Scheduler:
@@ -48,18 +46,11 @@ def from_config(config: Mapping[str, Any]) -> Scheduler:
     name = config.get("_class_name")
     if name not in _BY_CLASS:
         raise SdxError(f"scheduler config: _class_name={name!r} is not supported by sdx (supported: "
-                       f"{', '.join(sorted(_BY_CLASS))}); choose one with --scheduler {{{','.join(SCHEDULERS)}}}")
+                       f"{', '.join(sorted(_BY_CLASS))}); choose one with --scheduler (see --help)")
     return _BY_CLASS[name].from_config(config)
 
 
-def from_name(name: str, config: Mapping[str, Any]) -> Scheduler:
-    """Sampler `name` (a `--scheduler` choice) on the noise schedule and prediction type of `config`, as
-    diffusers' `XScheduler.from_config(pipe.scheduler.config, **fixed_fields)`."""
-    if name not in SCHEDULERS:
-        raise SdxError(f"unknown scheduler {name!r} (choose from {', '.join(SCHEDULERS)})")
-    cls, fixed = SCHEDULERS[name]
-    return cls.from_config(config, **fixed)
-
-
-__all__ = ["SCHEDULERS", "DDIM", "DDPM", "DPMSolverMultistep", "Euler", "EulerAncestral", "Heun", "LMS", "PNDM",
-           "Scheduler", "State", "UniPC", "denoising_range", "from_config", "from_name"]
+__all__ = ["SCHEDULERS", "DDIM", "DDPM", "DEISMultistep", "DPMSolverMultistep", "DPMSolverSDE",
+           "DPMSolverSinglestep", "DPMSolverSinglestepAncestral", "EDMDPMSolverMultistep", "EDMEuler", "Euler",
+           "EulerAncestral", "Heun", "KDPM2", "KDPM2Ancestral", "LCM", "LMS", "PNDM", "Scheduler", "State", "TCD",
+           "UniPC", "canonical", "denoising_range", "from_config", "from_name"]

@@ -40,6 +40,8 @@ def _torch_linspace_f32(start: float, end: float, n: int) -> np.ndarray:
     """`torch.linspace(start, end, n, dtype=float32)` bit for bit: a float32 step, every point rounded once
     from `start + step * i`, the second half counted back from `end`."""
     start, end = np.float32(start), np.float32(end)
+    if n == 1:
+        return np.array([start])
     step = np.float64((end - start) / np.float32(n - 1))
     i = np.arange(n, dtype=np.float64)
     points = np.where(i < n // 2, np.float64(start) + step * i, np.float64(end) - step * (n - 1 - i))
@@ -117,8 +119,16 @@ def spaced_timesteps(spacing: str, num_train: int, n: int, steps_offset: int) ->
     if spacing == "linspace":
         return np.linspace(0, num_train - 1, n)[::-1].copy()
     if spacing == "leading":
-        return (np.arange(n) * (num_train // n)).round()[::-1] + steps_offset
+        return _within(num_train, (np.arange(n) * (num_train // n)).round()[::-1] + steps_offset, steps_offset)
     return np.arange(num_train, 0, -num_train / n).round() - 1  # "trailing"
+
+
+def _within(num_train: int, timesteps: np.ndarray, steps_offset: int) -> np.ndarray:
+    """`timesteps`, or an SdxError when steps_offset put one past the training schedule (diffusers: an IndexError)."""
+    if len(timesteps) and timesteps.max() >= num_train:
+        raise SdxError(f"scheduler config: steps_offset={steps_offset} puts timestep {int(timesteps.max())} past the "
+                       f"{num_train} training timesteps")
+    return timesteps
 
 
 def multistep_timesteps(spacing: str, num_train: int, n: int, steps_offset: int, last: int) -> np.ndarray:
@@ -127,7 +137,8 @@ def multistep_timesteps(spacing: str, num_train: int, n: int, steps_offset: int,
     if spacing == "linspace":
         return np.linspace(0, last - 1, n + 1).round()[::-1][:-1].astype(np.int64)
     if spacing == "leading":
-        return (np.arange(n + 1) * (last // (n + 1))).round()[::-1][:-1].astype(np.int64) + steps_offset
+        ts = (np.arange(n + 1) * (last // (n + 1))).round()[::-1][:-1].astype(np.int64) + steps_offset
+        return _within(num_train, ts, steps_offset)
     return np.arange(last, 0, -num_train / n).round().astype(np.int64) - 1  # "trailing"
 
 
@@ -136,6 +147,34 @@ def karras_sigmas(sigma_min: float, sigma_max: float, n: int, rho: float = 7.0) 
     ramp = np.linspace(0, 1, n)
     lo, hi = float(sigma_min) ** (1 / rho), float(sigma_max) ** (1 / rho)
     return (hi + ramp * (lo - hi)) ** rho
+
+
+SIGMA_KINDS = ("karras", "exponential", "beta")  # the `use_<kind>_sigmas` fields
+
+
+def sigma_kind(sched: Scheduler) -> str | None:
+    """The ladder that replaces the spaced sigmas: "karras", "exponential", "beta" (the sampler's
+    `use_<kind>_sigmas` fields, at most one set) or None."""
+    kinds = [kind for kind in SIGMA_KINDS if getattr(sched, f"use_{kind}_sigmas", False)]
+    if len(kinds) > 1:
+        raise SdxError(f"scheduler config: {type(sched).diffusers_class} sets "
+                       f"{' and '.join(f'use_{k}_sigmas' for k in kinds)}; at most one of them can be true")
+    return kinds[0] if kinds else None
+
+
+def converted_sigmas(kind: str, sigma_min: float, sigma_max: float, n: int) -> np.ndarray:
+    """float64[n], from sigma_max down to sigma_min: "karras" (Karras et al. 2022 eq. 5, rho = 7),
+    "exponential" (evenly spaced in log sigma) or "beta" (Lee et al. 2024, "Beta Sampling is All You Need":
+    the Beta(0.6, 0.6) quantiles of evenly spaced steps, dense at both ends)."""
+    sigma_min, sigma_max = float(sigma_min), float(sigma_max)  # python floats, as diffusers' `.item()`
+    if kind == "karras":
+        return karras_sigmas(sigma_min, sigma_max, n)
+    if kind == "exponential":
+        return np.exp(np.linspace(math.log(sigma_max), math.log(sigma_min), n))
+    import scipy.stats  # here: scipy.stats takes a second to import, and only this ladder needs it
+
+    quantiles = scipy.stats.beta.ppf(1 - np.linspace(0, 1, n), 0.6, 0.6)
+    return sigma_min + quantiles * (sigma_max - sigma_min)
 
 
 def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
@@ -150,10 +189,12 @@ def sigma_to_t(sigmas: np.ndarray, log_sigmas: np.ndarray) -> np.ndarray:
     return (1 - w) * low + w * (low + 1)
 
 
-def sigma_ladder(sched: Scheduler, n: int, *, karras: bool = False, interpolation: str = "linear",
-                 sigma_min: float | None = None, sigma_max: float | None = None, final: str = "zero"):
-    """The Euler-family schedule (Euler, Euler ancestral, Heun, LMS in diffusers):
-    (timesteps float32[n], sigmas float32[n + 1]), the last sigma being 0 or the smallest training sigma."""
+def sigma_ladder(sched: Scheduler, n: int, *, interpolation: str = "linear", sigma_min: float | None = None,
+                 sigma_max: float | None = None, final: str = "zero", round_karras: bool = False):
+    """The Euler-family schedule (Euler, Heun, LMS, KDPM2 in diffusers): (timesteps float32[n], sigmas
+    float32[n + 1]), the last sigma being 0 or the smallest training sigma. A `sigma_kind` ladder spans the
+    spaced schedule's ends unless sigma_min/sigma_max are given; its timesteps are rounded where diffusers
+    rounds Karras ones (`round_karras`)."""
     ts = spaced_timesteps(sched.timestep_spacing, sched.num_train_timesteps, n, sched.steps_offset)
     ts = ts.astype(np.float32)
     train = train_sigmas(sched.alphas_cumprod)
@@ -161,27 +202,30 @@ def sigma_ladder(sched: Scheduler, n: int, *, karras: bool = False, interpolatio
         sigmas = np.interp(ts, np.arange(len(train)), train)
     else:  # "log_linear": n + 1 sigmas evenly spaced in log sigma, in float32 like torch
         sigmas = np.exp(_torch_linspace_f32(np.log(train[-1]), np.log(train[0]), n + 1))
-    if karras:
+    kind = sigma_kind(sched)
+    if kind:
         lo = sigmas[-1] if sigma_min is None else sigma_min
         hi = sigmas[0] if sigma_max is None else sigma_max
-        sigmas = karras_sigmas(lo, hi, n)
-        ts = sigma_to_t(sigmas, np.log(train)).astype(np.float32)
+        sigmas = converted_sigmas(kind, lo, hi, n)
+        ts = sigma_to_t(sigmas, np.log(train))
+        ts = (ts.round() if round_karras and kind == "karras" else ts).astype(np.float32)
     last = train[0] if final == "sigma_min" else 0.0
     return ts, np.append(sigmas, last).astype(np.float32)
 
 
-def multistep_ladder(sched: Scheduler, n: int, *, karras: bool, sigma_min: float | None, sigma_max: float | None,
-                     last: int, round_karras: bool = True):
-    """The DPM-Solver / UniPC schedule before its final sigma: (timesteps int64[n], sigmas float64[n]).
-    Karras sigmas span the training sigmas unless sigma_min/sigma_max are given."""
+def multistep_ladder(sched: Scheduler, n: int, *, sigma_min: float | None, sigma_max: float | None, last: int,
+                     round_karras: bool = True):
+    """The DPM-Solver / UniPC / DEIS schedule before its final sigma: (timesteps int64[n], sigmas float64[n]).
+    A `sigma_kind` ladder spans the training sigmas unless sigma_min/sigma_max are given."""
     train = train_sigmas(sched.alphas_cumprod)
     ts = multistep_timesteps(sched.timestep_spacing, sched.num_train_timesteps, n, sched.steps_offset, last)
-    if not karras:
+    kind = sigma_kind(sched)
+    if not kind:
         return ts, np.interp(ts, np.arange(len(train)), train)
-    sigmas = karras_sigmas(train[0] if sigma_min is None else sigma_min,
-                           train[-1] if sigma_max is None else sigma_max, n)
+    sigmas = converted_sigmas(kind, train[0] if sigma_min is None else sigma_min,
+                              train[-1] if sigma_max is None else sigma_max, n)
     ts = sigma_to_t(sigmas, np.log(train))
-    return (ts.round() if round_karras else ts).astype(np.int64), sigmas
+    return (ts.round() if round_karras and kind == "karras" else ts).astype(np.int64), sigmas
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -268,6 +312,8 @@ class Scheduler:
     zero_snr_floor: ClassVar[bool] = False  # diffusers pins alphas_cumprod[-1] to 2**-24 after rescaling
     fixed: ClassVar[Mapping[str, tuple]] = {}  # diffusers fields sdx only takes at these values
     inert: ClassVar[frozenset[str]] = frozenset()  # diffusers fields that cannot change sdx's math
+    discrete: ClassVar[bool] = True  # timesteps are training steps (EDM samplers': log noise levels)
+    spaced: ClassVar[bool] = True  # timestep_spacing shapes the schedule (not LCM's, TCD's, singlestep's, EDM's)
 
     # -- construction ------------------------------------------------------------------------------------
 
@@ -314,6 +360,7 @@ class Scheduler:
         check_field(cls, "beta_schedule", self.beta_schedule, _BETA_SCHEDULES)
         check_field(cls, "prediction_type", self.prediction_type, cls.prediction_types)
         check_field(cls, "timestep_spacing", self.timestep_spacing, _SPACINGS)
+        sigma_kind(self)
 
     @functools.cached_property
     def alphas_cumprod(self) -> np.ndarray:
@@ -403,6 +450,12 @@ class Scheduler:
         """True when `step` reads its `noise` argument."""
         return False
 
+    def draw_noise(self, state: State, key: jax.Array, call: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        """One image's `noise` for the state's next call (float32, `shape`): `key` is the image's own
+        step-noise key and `call` the call's index in the full schedule. A fresh draw from fold_in(key, call),
+        unless the sampler's noise is one path over all its calls (`sdx.schedulers.dpmpp_sde`)."""
+        return jax.random.normal(jax.random.fold_in(key, call), shape, jnp.float32)
+
     def scale_model_input(self, state: State, sample: jax.Array) -> jax.Array:
         """The model's input for the current call (the identity unless the sampler scales it)."""
         return sample
@@ -486,6 +539,9 @@ def denoising_range(sched: Scheduler, num_inference_steps: int, *, strength: flo
     for name, value in (("denoising_start", denoising_start), ("denoising_end", denoising_end)):
         if value is not None and not 0.0 < value < 1.0:
             raise SdxError(f"{name}={value} must be strictly between 0 and 1")
+    if not sched.discrete and (denoising_start is not None or denoising_end is not None):
+        raise SdxError(f"denoising_start / denoising_end compare timesteps with training steps; {type(sched).__name__}'s "
+                       "timesteps are noise levels (EDM), so only strength can cut its schedule")
     if denoising_start is not None and denoising_end is not None and denoising_start >= denoising_end:
         raise SdxError(f"denoising_start={denoising_start} must be below denoising_end={denoising_end}")
     ts = sched.timesteps(num_inference_steps)

@@ -18,6 +18,8 @@ from sdx.schedulers.common import SigmaScheduler, check_field, sigma_ladder
 class Euler(SigmaScheduler):
     interpolation_type: str = "linear"
     use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     sigma_min: float | None = None  # Karras ladder ends; default: the spaced schedule's ends
     sigma_max: float | None = None
     timestep_type: str = "discrete"
@@ -26,7 +28,6 @@ class Euler(SigmaScheduler):
 
     diffusers_class = "EulerDiscreteScheduler"
     zero_snr_floor = True
-    fixed = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
 
     def __post_init__(self):
         super().__post_init__()
@@ -35,8 +36,7 @@ class Euler(SigmaScheduler):
         check_field(type(self), "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
 
     def _schedule(self, n):
-        ts, sigmas = sigma_ladder(self, n, karras=bool(self.use_karras_sigmas),
-                                  interpolation=self.interpolation_type, sigma_min=self.sigma_min,
+        ts, sigmas = sigma_ladder(self, n, interpolation=self.interpolation_type, sigma_min=self.sigma_min,
                                   sigma_max=self.sigma_max, final=self.final_sigmas_type)
         if self.timestep_type == "continuous" and self.prediction_type == "v_prediction":
             ts = 0.25 * np.log(sigmas[:-1])  # EDM's c_noise

@@ -22,6 +22,8 @@ class Heun(SigmaScheduler):
     beta_start: float = 0.00085
     beta_end: float = 0.012
     use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     sigma_min: float | None = None  # read by diffusers' Karras ladder when the config carries them
     sigma_max: float | None = None
     clip_sample: bool = False
@@ -29,10 +31,9 @@ class Heun(SigmaScheduler):
 
     diffusers_class = "HeunDiscreteScheduler"
     order = 2
-    fixed = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
 
     def _schedule(self, n):
-        ts, sigmas = sigma_ladder(self, n, karras=bool(self.use_karras_sigmas), sigma_min=self.sigma_min,
+        ts, sigmas = sigma_ladder(self, n, sigma_min=self.sigma_min,
                                   sigma_max=self.sigma_max)
         # [s0, s1, s1, ..., s_{n-1}, s_{n-1}, 0]: the sigma each call evaluates at, plus the final one
         sigmas = np.concatenate([sigmas[:1], sigmas[1:-1].repeat(2), sigmas[-1:]])

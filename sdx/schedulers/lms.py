@@ -37,12 +37,13 @@ def lms_coefficients(sigmas: np.ndarray, i: int, order: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class LMS(SigmaScheduler):
     use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
 
     diffusers_class = "LMSDiscreteScheduler"
-    fixed = {"use_exponential_sigmas": (False, None), "use_beta_sigmas": (False, None)}
 
     def _schedule(self, n):
-        ts, sigmas = sigma_ladder(self, n, karras=bool(self.use_karras_sigmas))
+        ts, sigmas = sigma_ladder(self, n)
         return {"timesteps": ts, "sigmas": sigmas}
 
     def _table(self, schedule, begin, end):

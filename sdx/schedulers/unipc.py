@@ -21,6 +21,7 @@ from sdx.schedulers.common import (
     check_field,
     eps_coefficients,
     multistep_ladder,
+    sigma_kind,
     train_sigmas,
     vp_from_sigma,
     vp_lambda,
@@ -80,6 +81,8 @@ class UniPC(Scheduler):
     lower_order_final: bool = True
     disable_corrector: tuple[int, ...] = ()
     use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
     sigma_min: float | None = None
     sigma_max: float | None = None
     final_sigmas_type: str = "zero"
@@ -87,8 +90,7 @@ class UniPC(Scheduler):
 
     diffusers_class = "UniPCMultistepScheduler"
     zero_snr_floor = True
-    fixed = {"thresholding": (False, None), "solver_p": (None,), "use_exponential_sigmas": (False, None),
-             "use_beta_sigmas": (False, None), "use_flow_sigmas": (False, None),
+    fixed = {"thresholding": (False, None), "solver_p": (None,), "use_flow_sigmas": (False, None),
              "use_dynamic_shifting": (False, None), "shift_terminal": (None,)}
     inert = frozenset({"dynamic_thresholding_ratio", "sample_max_value", "flow_shift", "time_shift_type"})
 
@@ -110,12 +112,12 @@ class UniPC(Scheduler):
                            "there); set final_sigmas_type='sigma_min' or use solver_type='bh2', predict_x0=true")
 
     def _schedule(self, n):
-        ts, sigmas = multistep_ladder(self, n, karras=bool(self.use_karras_sigmas), sigma_min=self.sigma_min,
+        ts, sigmas = multistep_ladder(self, n, sigma_min=self.sigma_min,
                                       sigma_max=self.sigma_max, last=self.num_train_timesteps)
         if self.final_sigmas_type == "zero":
             final = 0.0
         else:  # the smallest sigma of the ladder: the Karras end, or the first training sigma
-            final = sigmas[-1] if self.use_karras_sigmas else train_sigmas(self.alphas_cumprod)[0]
+            final = sigmas[-1] if sigma_kind(self) else train_sigmas(self.alphas_cumprod)[0]
         return {"timesteps": ts, "sigmas": np.append(sigmas, final).astype(np.float32)}
 
     def _table(self, schedule, begin, end):
