@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pipelines import research_cli, sampling_cli
+from pipelines.model_names import resolve_model
 from sdx import images, io
 from sdx.errors import ArgumentParser, SdxError, exit_without_teardown, run_command
 
@@ -64,146 +66,138 @@ def _ip_scale(text: str) -> float | dict:
 
 def parser() -> argparse.ArgumentParser:
     from sdx.attention import BACKENDS
-    from sdx.schedulers import SCHEDULERS
 
     p = ArgumentParser(prog="python -m sdx.sample", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model",
+    model = p.add_argument_group("the model")
+    prompts = p.add_argument_group("prompts")
+    sampling = p.add_argument_group("sampling")
+    image = p.add_argument_group("img2img, inpainting and editing")
+    sdxl = p.add_argument_group("SDXL: the refiner and micro-conditioning")
+    control = p.add_argument_group("ControlNet")
+    adapter = p.add_argument_group("T2I-Adapter")
+    ip = p.add_argument_group("IP-Adapter")
+    device = p.add_argument_group("precision, memory and devices")
+    output = p.add_argument_group("output and cache")
+    model.add_argument("--model",
                    help="sdx folder, diffusers folder, single-file checkpoint, hub id, default model (default, "
                         "default-edit) or random-weight demo model (tiny, tiny_xl); without it: default, or "
                         "default-edit with --image (without --mask)")
-    p.add_argument("--config", metavar="FOLDER",
+    model.add_argument("--config", metavar="FOLDER",
                    help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
                         "describe it, instead of the built-in preset its keys point to")
-    p.add_argument("--preset", metavar="NAME",
+    model.add_argument("--preset", metavar="NAME",
                    help="single-file --model: read it as this preset, e.g. sd21 for an SD 2.x-base epsilon file")
-    p.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
+    model.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
                    help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into --model "
                         "at SCALE (default 1.0); repeatable")
-    p.add_argument("--embedding", metavar="FILE[:TOKEN]", action="append", default=[],
+    model.add_argument("--embedding", metavar="FILE[:TOKEN]", action="append", default=[],
                    help="add a textual inversion embedding (diffusers learned_embeds, A1111 or SDXL .safetensors, or a hub org/name/FILE) as the word TOKEN (default: its own token, else the file's name); repeatable")
-    p.add_argument("--vae", metavar="MODEL",
+    model.add_argument("--vae", metavar="MODEL",
                    help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "
                         "instead of the model's; also for --refiner")
-    p.add_argument("--prompt", nargs="+", help="one or more prompts")
-    p.add_argument("--prompts-file", metavar="FILE",
+    prompts.add_argument("--prompt", nargs="+", help="one or more prompts")
+    prompts.add_argument("--prompts-file", metavar="FILE",
                    help="many generations in one process: a prompt per line, or JSON objects with a \"prompt\" and "
                         "per-line settings (see pipelines/prompts_file.py); images go to --output/NNNNN.png and a run "
                         "started again skips those already written")
-    p.add_argument("--prompt-2", nargs="+", help="SDXL: prompts for the second text encoder (default: --prompt)")
-    p.add_argument("--negative-prompt", nargs="+", help="one, or one per prompt")
-    p.add_argument("--negative-prompt-2", nargs="+", help="SDXL: for the second text encoder")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--guidance-scale", type=float, default=None, help="default 7.5 (5.0 for SDXL)")
-    p.add_argument("--guidance-rescale", type=float, default=0.0)
-    p.add_argument("--image", help="input image: img2img, or the image an InstructPix2Pix model edits")
-    p.add_argument("--strength", type=float, default=None,
+    prompts.add_argument("--prompt-2", nargs="+", help="SDXL: prompts for the second text encoder (default: --prompt)")
+    prompts.add_argument("--negative-prompt", nargs="+", help="one, or one per prompt")
+    prompts.add_argument("--negative-prompt-2", nargs="+", help="SDXL: for the second text encoder")
+    sampling.add_argument("--steps", type=int, default=30, help="denoising steps (diffusers' num_inference_steps)")
+    sampling.add_argument("--guidance-scale", type=float, default=None, help="default 7.5 (5.0 for SDXL)")
+    sampling.add_argument("--guidance-rescale", type=float, default=0.0,
+                          help="rescale of the guided prediction (Lin et al. 2023; zero-SNR and v-prediction models)")
+    image.add_argument("--image", help="input image: img2img, or the image an InstructPix2Pix model edits")
+    image.add_argument("--strength", type=float, default=None,
                    help="img2img and inpainting: how much to change (default 0.8, SDXL 0.3; inpainting 1.0, SDXL 0.9999)")
-    p.add_argument("--mask", metavar="FILE",
+    image.add_argument("--mask", metavar="FILE",
                    help="inpainting: white repaints, black keeps (resized to the image, greyscale, binarised at 0.5)")
-    p.add_argument("--mask-blur", type=float, default=0.0, metavar="PX",
+    image.add_argument("--mask-blur", type=float, default=0.0, metavar="PX",
                    help="blur the mask by this Gaussian radius first (diffusers' mask_processor.blur)")
-    p.add_argument("--padding-mask-crop", type=int, metavar="PX",
+    image.add_argument("--apply-overlay", action="store_true",
+                   help="inpainting: paste --image's pixels back where the mask keeps them, through --mask-blur's soft "
+                        "edge (diffusers' apply_overlay; what A1111 does): the kept region stays exactly the input, "
+                        "where the VAE's decode would shift it (always so with --padding-mask-crop)")
+    image.add_argument("--padding-mask-crop", type=int, metavar="PX",
                    help="inpaint only a crop around the mask, grown by PX pixels, at the generation size (--height/"
                         "--width, default the model's), and paste it back into the image (diffusers' padding_mask_crop)")
-    p.add_argument("--controlnet", metavar="MODEL", action="append", default=[],
+    control.add_argument("--controlnet", metavar="MODEL", action="append", default=[],
                    help="a ControlNet (diffusers or sdx folder, hub id, or original single file) to guide the model "
                         "with; repeatable, each with its --control-image")
-    p.add_argument("--control-image", metavar="FILE", action="append", default=[],
+    control.add_argument("--control-image", metavar="FILE", action="append", default=[],
                    help="the map a --controlnet reads (edges, depth, pose, ... as the user made it), in the same order; "
                         "resized to the generation size")
-    p.add_argument("--controlnet-conditioning-scale", metavar="S", type=float, nargs="+",
+    control.add_argument("--controlnet-conditioning-scale", metavar="S", type=float, nargs="+",
                    help="one, or one per --controlnet (default 1.0; img2img 0.8; inpainting 0.5, SDXL 1.0: diffusers')")
-    p.add_argument("--control-guidance-start", metavar="F", type=float, nargs="+", default=[0.0],
+    control.add_argument("--control-guidance-start", metavar="F", type=float, nargs="+", default=[0.0],
                    help="share of the steps before a ControlNet starts acting: one, or one per --controlnet")
-    p.add_argument("--control-guidance-end", metavar="F", type=float, nargs="+", default=[1.0],
+    control.add_argument("--control-guidance-end", metavar="F", type=float, nargs="+", default=[1.0],
                    help="share of the steps after which a ControlNet stops acting: one, or one per --controlnet")
-    p.add_argument("--guess-mode", action="store_true",
+    control.add_argument("--guess-mode", action="store_true",
                    help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
                         "blocks and, with guidance, on the text branch only")
-    p.add_argument("--t2i-adapter", metavar="MODEL", action="append", default=[],
+    adapter.add_argument("--t2i-adapter", metavar="MODEL", action="append", default=[],
                    help="a T2I-Adapter (diffusers folder, hub id, e.g. TencentARC/t2iadapter_sketch_sd14v1, or an original "
                         "t2iadapter_*.pth file) to guide the model with; repeatable, each with its --t2i-adapter-image")
-    p.add_argument("--t2i-adapter-image", metavar="FILE", action="append", default=[],
+    adapter.add_argument("--t2i-adapter-image", metavar="FILE", action="append", default=[],
                    help="the map a --t2i-adapter reads (sketch, depth, pose, ...), in the same order; resized to the "
                         "generation size")
-    p.add_argument("--t2i-adapter-scale", metavar="S", type=float, nargs="+",
+    adapter.add_argument("--t2i-adapter-scale", metavar="S", type=float, nargs="+",
                    help="weight of each adapter's features: one, or one per --t2i-adapter (default 1.0)")
-    p.add_argument("--t2i-adapter-factor", metavar="F", type=float, default=1.0,
+    adapter.add_argument("--t2i-adapter-factor", metavar="F", type=float, default=1.0,
                    help="share of the steps, from the first, that the T2I-Adapters act in (default 1.0)")
-    p.add_argument("--ip-adapter", metavar="FILE",
+    ip.add_argument("--ip-adapter", metavar="FILE",
                    help="an IP-Adapter .safetensors file (plain or plus, e.g. h94/IP-Adapter's "
                         "models/ip-adapter_sd15.safetensors) that lets --ip-adapter-image prompt the model")
-    p.add_argument("--ip-adapter-image", metavar="FILE", help="the image prompt an --ip-adapter reads")
-    p.add_argument("--ip-adapter-scale", metavar="S", type=_ip_scale, default=1.0,
+    ip.add_argument("--ip-adapter-image", metavar="FILE", help="the image prompt an --ip-adapter reads")
+    ip.add_argument("--ip-adapter-scale", metavar="S", type=_ip_scale, default=1.0,
                    help="weight of the image prompt in every cross-attention (default 1.0; 0 ignores it), or per block "
                         "as JSON, diffusers' set_ip_adapter_scale dict, e.g. '{\"up\": {\"block_0\": [0.0, 1.0, 0.0]}}' "
                         "(InstantStyle: the style block only; parts and blocks left out get 0)")
-    p.add_argument("--ip-adapter-image-encoder", metavar="FOLDER",
+    ip.add_argument("--ip-adapter-image-encoder", metavar="FOLDER",
                    help="the adapter's CLIP image encoder (a transformers CLIPVisionModelWithProjection folder; "
                         "default: image_encoder beside the --ip-adapter file, as h94/IP-Adapter lays them out)")
-    p.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
-    p.add_argument("--height", type=int)
-    p.add_argument("--width", type=int)
-    p.add_argument("--num-images", type=int, default=1, help="images per prompt")
-    p.add_argument("--batch-size", type=int, help="images per compiled call (default: as many as fit in free memory)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--scheduler", choices=sorted(SCHEDULERS), help="default: the model's scheduler_config.json")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the text encoders' and the UNet's")
-    p.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
+    image.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
+    sampling.add_argument("--height", type=int, help="pixels (default: the model's training size, or the image's)")
+    sampling.add_argument("--width", type=int, help="pixels (default: the model's training size, or the image's)")
+    sampling.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    device.add_argument("--batch-size", type=int, help="images per compiled call (default: as many as fit in free memory)")
+    sampling.add_argument("--seed", type=int, default=0,
+                          help="image j's noise is fold_in(PRNGKey(seed), j): the same image at any batch size")
+    sampling_cli.add_flags(sampling)  # --scheduler, --timestep-spacing, --eta
+    device.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the text encoders' and the UNet's")
+    device.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the VAE's (bfloat16: diffusers' choice in a bfloat16 pipeline; half the VAE's weights)")
-    p.add_argument("--vae-tiling", action="store_true",
+    device.add_argument("--vae-tiling", action="store_true",
                    help="decode (and encode) images larger than the VAE's tile, its sample_size (SD 1.5: 512 px, SDXL: "
                         "1024), in overlapping tiles blended together, as diffusers' vae.enable_tiling(): the VAE's "
                         "working memory is one tile's at any image size")
-    p.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
-    p.add_argument("--grid", metavar="FILE.png",
+    output.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
+    output.add_argument("--grid", metavar="FILE.png",
                    help="also write all images as one grid PNG (a row per prompt with --num-images, else about square, "
                         "wider than tall)")
-    p.add_argument("--overwrite", action="store_true", help="replace existing files")
-    p.add_argument("--refiner", help="SDXL refiner model, run after the base (ensemble of experts)")
-    p.add_argument("--high-noise-frac", type=float, default=0.8, help="where the base hands over to the refiner")
-    p.add_argument("--latents", help="initial noise, .npy (images, channels, height/f, width/f) float32 as diffusers' latents=")
-    p.add_argument("--long-prompt", choices=("truncate", "chunk"), default="truncate",
+    output.add_argument("--overwrite", action="store_true", help="replace existing files")
+    sdxl.add_argument("--refiner", help="SDXL refiner model, run after the base (ensemble of experts)")
+    sdxl.add_argument("--high-noise-frac", type=float, default=0.8, help="where the base hands over to the refiner")
+    sampling.add_argument("--latents", help="initial noise, .npy (images, channels, height/f, width/f) float32 as diffusers' latents=")
+    prompts.add_argument("--long-prompt", choices=("truncate", "chunk"), default="truncate",
                    help="prompts over 77 tokens: cut (diffusers) or encode in 75-token chunks")
-    p.add_argument("--clip-skip", type=int, help="use the text encoder output this many layers earlier")
-    p.add_argument("--original-size", type=_size, help="SDXL micro-conditioning, HxW")
-    p.add_argument("--target-size", type=_size, help="SDXL micro-conditioning, HxW")
-    p.add_argument("--crops-top-left", type=_size, default=(0, 0), help="SDXL micro-conditioning, TOPxLEFT")
-    p.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
-    p.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
-    p.add_argument("--attention", choices=BACKENDS,
+    prompts.add_argument("--clip-skip", type=int, help="use the text encoder output this many layers earlier")
+    sampling_cli.add_prompt_flags(prompts)  # --prompt-syntax
+    sdxl.add_argument("--original-size", type=_size, help="SDXL micro-conditioning, HxW")
+    sdxl.add_argument("--target-size", type=_size, help="SDXL micro-conditioning, HxW")
+    sdxl.add_argument("--crops-top-left", type=_size, default=(0, 0), help="SDXL micro-conditioning, TOPxLEFT")
+    sdxl.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
+    sdxl.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
+    device.add_argument("--attention", choices=BACKENDS,
                    help="attention backend (default: chunked on a CPU, where it is faster from 1,024 tokens on; cudnn "
                         "in bfloat16 on an NVIDIA GPU from Ampere on; xla elsewhere)")
-    p.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
-    p.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
-    p.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    device.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
+    output.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
+    output.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")
+    output.add_argument("--quiet", action="store_true", help="no progress bar")
+    research_cli.add_flags(p.add_argument_group("research methods"))  # FreeU, PAG, SAG
     return p
-
-
-def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None, variant=None, revision=None) -> Path:
-    """An sdx folder for `spec` (default or demo model name, sdx folder, diffusers folder, single file or hub
-    id), with `options` (a `convert.sources.ModelOptions`: LoRAs, VAE, config folder) applied in a cached
-    conversion (`variant`, `revision`: of a hub id)."""
-    from convert.library import ensure_sdx_folder
-    from convert.sources import ModelOptions
-    from pipelines import default_models
-    from pipelines.demo import DEMO_MODELS, demo_folder
-
-    options = options or ModelOptions()
-    named = None
-    if spec in default_models.NAMES and not Path(spec).exists():
-        log(f"{spec}: the shipped default model (trained by sdx on its shapes world)")
-        named = default_models.folder(spec, cache / "models")
-    elif spec in DEMO_MODELS and not Path(spec).exists():
-        log(f"{spec}: the embedded demo model (random weights, no download)")
-        named = demo_folder(spec, cache / "models")
-    if named is not None:
-        if options.empty:
-            return named
-        spec = str(named)
-    return ensure_sdx_folder(spec, dtype=dtype, variant=variant, revision=revision, cache_dir=cache / "models",
-                             options=options, log=log)
 
 
 def read_image(path: str) -> PIL.Image.Image:
@@ -363,6 +357,8 @@ def check_flags(args: argparse.Namespace) -> tuple:
         raise SdxError("--mask marks what to repaint in --image: pass --image too")
     if args.mask and args.refiner:
         raise SdxError("--mask and --refiner do not go together: inpainting runs one model")
+    if args.apply_overlay and not args.mask:
+        raise SdxError("--apply-overlay pastes the part of --image that --mask keeps back over the result: pass --mask")
     if args.padding_mask_crop is not None and (not args.mask or args.padding_mask_crop < 0):
         raise SdxError(f"--padding-mask-crop {args.padding_mask_crop}: a number of pixels >= 0, with --mask")
     picture = read_image(args.image) if args.image else None
@@ -372,6 +368,8 @@ def check_flags(args: argparse.Namespace) -> tuple:
     if args.config and not Path(args.config).is_dir():
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
+    research_cli.check(args)
+    sampling_cli.check(args)
     return latents, picture, mask, check_control_flags(args), check_t2i_adapter_flags(args), check_ip_adapter_flags(args)
 
 
@@ -551,13 +549,14 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=
         ip_adapter, encoder = resolve_ip_adapter(args.ip_adapter, args.ip_adapter_image_encoder, cache_dir=cache / "models",
                                                  log=log)
     pipe = load(folder, args.model, controlnets=tuple(args.controlnet), t2i_adapters=tuple(args.t2i_adapter),
-                ip_adapter=ip_adapter, image_encoder=encoder, cache_dir=cache / "models", log=log, first=first)
+                ip_adapter=ip_adapter, image_encoder=encoder, cache=cache, log=log, first=first)
+    pipe = sampling_cli.configured(args, pipe)
     if not args.refiner:
         return [pipe]
     if not pipe.family.xl or pipe.family.pix2pix:
         raise SdxError("--refiner follows an SDXL base model; this model is not one")
     ref_folder = resolve_model(args.refiner, dtype=args.dtype, cache=cache, log=log, options=ModelOptions(vae=args.vae))
-    return [pipe, load(ref_folder, args.refiner)]
+    return [pipe, sampling_cli.configured(args, load(ref_folder, args.refiner))]
 
 
 def _request(job: Job, pipe):
@@ -595,23 +594,20 @@ def _request(job: Job, pipe):
     scales = per_model(a.t2i_adapter_scale, len(adapter_pictures), "--t2i-adapter-scale", "--t2i-adapter")
     adapters = [AdapterImage(fit_adapter_image(p, (height, width), adapter.config.in_channels), scale)
                 for p, adapter, scale in zip(adapter_pictures, pipe.t2i_adapters, scales or [1.0] * len(adapter_pictures))]
-    xl = pipe.family.xl
-    # diffusers' defaults; an SDXL ControlNet img2img pipeline's is 0.8, not 0.3
-    default_strength = (0.9999 if xl else 1.0) if mask is not None else (0.3 if xl and not controls else 0.8)
-    request = Request(
+    request = pipe.complete(Request(  # what the flags leave open: the model's defaults, as Pipeline.complete says
         prompts=a.prompt, prompts_2=a.prompt_2, negative_prompts=a.negative_prompt,
         negative_prompts_2=a.negative_prompt_2, height=height, width=width, steps=a.steps,
         num_images_per_prompt=a.num_images, batch_size=a.batch_size, seed=a.seed,
-        guidance_scale=a.guidance_scale if a.guidance_scale is not None else (5.0 if xl else 7.5),
-        image_guidance_scale=a.image_guidance_scale, guidance_rescale=a.guidance_rescale,
-        strength=a.strength if a.strength is not None else default_strength,
+        guidance_scale=a.guidance_scale, image_guidance_scale=a.image_guidance_scale,
+        guidance_rescale=a.guidance_rescale, strength=a.strength,
         image=image, mask=mask, latents=job.latents,
         original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
         aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
-        clip_skip=a.clip_skip, long_prompt=a.long_prompt, controls=controls, guess_mode=a.guess_mode,
+        clip_skip=a.clip_skip, long_prompt=a.long_prompt, prompt_syntax=a.prompt_syntax, controls=controls, guess_mode=a.guess_mode,
         vae_tiling=a.vae_tiling, adapters=adapters, adapter_factor=a.t2i_adapter_factor, image_prompt=None if ip_picture is None else
         image_prompt.ImagePrompt(image_prompt.prepare([ip_picture], pipe.image_encoder), a.ip_adapter_scale),
-    )
+        **research_cli.request_fields(a),
+    ))
     pipe.validate(request)
     return request, crop
 
@@ -641,14 +637,24 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
 
     a, pipe = job.args, pipes[0]
     request, crop = _request(job, pipe)
-    bad = None
+    bad = generated = None
     try:
-        images = refine(pipe, pipes[1], request, a.high_noise_frac, bar) if len(pipes) > 1 else pipe(request, bar)
+        if len(pipes) > 1:
+            images = refine(pipe, pipes[1], request, a.high_noise_frac, bar)
+        else:
+            generated = pipe.generate(request, bar)  # the images and what --attention-maps reads out
+            images = generated.images
     except NonFiniteImages as e:
         images, bad = np.nan_to_num(e.images), e
     pixels = to_uint8(images)
     if crop is not None:  # back into the input image, at its size
         pixels = np.stack([crop.paste(p) for p in pixels])
+    elif a.apply_overlay:  # the kept pixels of the input, at the generation's size
+        from pipelines.masks import overlaid, read_mask
+
+        picture = job.picture if job.picture is not None else read_image(a.image)
+        mask_picture = job.mask if job.mask is not None else read_mask(a.mask)
+        pixels = np.stack([overlaid(p, picture, mask_picture, a.mask_blur) for p in pixels])
     scheduler_name = a.scheduler or type(pipe.scheduler).__name__
     negatives = per_prompt(a.negative_prompt, len(a.prompt), "--negative-prompt")
     written = []
@@ -666,7 +672,8 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
         }
         if a.vae_tiling:
             params["vae_tiling"] = True
-        for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "refiner", "latents", "clip_skip",
+        for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "apply_overlay", "refiner", "latents",
+                    "clip_skip",
                     "lora", "vae", "embedding", "controlnet", "control_image", "guess_mode", "padding_mask_crop", "t2i_adapter",
                     "t2i_adapter_image", "ip_adapter", "ip_adapter_image"):
             if getattr(a, key, None):
@@ -682,9 +689,11 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
             params["t2i_adapter_factor"] = request.adapter_factor
         if request.image_prompt is not None:
             params["ip_adapter_scale"] = request.image_prompt.scale
+        params.update(research_cli.png_params(a))
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
         written.append(path)
+    written += research_cli.write_readouts(a, pipe, request, generated, pixels, job.paths, log)
     if bad is not None:
         raise bad
     if job.grid is not None:

@@ -13,7 +13,8 @@ pixel mask sampled every `factor` pixels, as torch's nearest `interpolate` does 
 the mask (`crop_region`: the mask's bounding box grown by PAD pixels, then to the generation's aspect
 ratio), resized to the generation size keeping its aspect ratio with the edges stretched into any margin
 (`resize_fill`); the result is scaled back into the box and the unmasked pixels of the original image are
-put over it (`overlay`), so the output has the input's size.
+put over it (`overlay`), so the output has the input's size. --apply-overlay puts the unmasked pixels over a
+whole generation the same way (`overlaid`).
 """
 
 from __future__ import annotations
@@ -139,6 +140,17 @@ def overlay(mask: PIL.Image.Image, original: PIL.Image.Image, generated: np.ndar
     out = base.convert("RGB").convert("RGBA")
     out.alpha_composite(keep.convert("RGBA"))
     return np.asarray(out.convert("RGB"))
+
+
+def overlaid(generated: np.ndarray, original: PIL.Image.Image, mask: PIL.Image.Image, blur: float = 0.0) -> np.ndarray:
+    """`generated` (H, W, 3) uint8 with `original`'s pixels put back where `mask` (blurred by `blur` pixels,
+    not binarised) keeps them, both resized to its size (Lanczos): `overlay` over the whole picture, what
+    --apply-overlay does. Where the mask is black the result is the original exactly."""
+    from PIL import Image
+
+    size = (generated.shape[1], generated.shape[0])
+    fitted = lambda picture: picture if picture.size == size else picture.resize(size, Image.LANCZOS)
+    return overlay(fitted(blurred(mask, blur)), fitted(original), generated, (0, 0, *size))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,11 +15,14 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from pipelines import control, executables, image_prompt, t2i_adapter
+from pipelines import control, executables, guidance, image_prompt, t2i_adapter
 from pipelines.family import Family, family_of
 from pipelines.request import Request, batches, validate
 from pipelines.sampler import Sampler, controlnet_name, working_bytes
@@ -40,6 +43,15 @@ class NonFiniteImages(SdxError):
                            "too large; nothing was written for these images")
 
 
+@dataclasses.dataclass(frozen=True)
+class Generated:
+    """A generation's images (`Pipeline.__call__`'s) and readouts: for each of the request's interventions,
+    what it read out (`sdx.interventions.Intervention.readout`, host arrays with the images first), or None."""
+
+    images: np.ndarray
+    readouts: tuple
+
+
 @dataclasses.dataclass
 class Pipeline:
     family: Family
@@ -57,7 +69,7 @@ class Pipeline:
     @classmethod
     def load(
         cls,
-        folder: str | os.PathLike,
+        model: str | os.PathLike,
         *,
         dtype: str = "float32",
         vae_dtype: str = "float32",
@@ -70,16 +82,21 @@ class Pipeline:
         t2i_adapters: tuple[str, ...] = (),
         ip_adapter: str | None = None,
         image_encoder: str | None = None,
-        cache_dir: str | os.PathLike | None = None,
+        options=None,
+        cache: str | os.PathLike | None = None,
         log=None,
         first: Callable[[Pipeline], Request] | None = None,
     ) -> Pipeline:
-        """Load an sdx model folder onto `mesh` (default: every device, `fsdp` of them sharing parameters).
+        """Load `model` onto `mesh` (default: every device, `fsdp` of them sharing parameters). `model` is
+        anything `python -m sdx.sample --model` takes (`pipelines.model_names`): an sdx folder, a diffusers
+        folder, a single-file checkpoint, a hub id, `default`, `default-edit`, `tiny`, `tiny_xl`; all but an
+        sdx folder are converted once into `cache` (default `convert.library.default_cache_dir()`), with
+        `options` (a `convert.sources.ModelOptions`: LoRAs, a VAE, embeddings) applied there.
 
         dtype: the text encoders', UNet's and ControlNets' parameters and activations; vae_dtype: the VAE's
         (float32 by default: the SDXL VAE overflows in float16). scheduler: a `--scheduler` name, or None
         for the model's own scheduler_config.json. controlnets: ControlNets (`convert.controlnet.load_controlnet`
-        sources: folders, hub ids, single files), downloaded to `cache_dir`; t2i_adapters: T2I-Adapters
+        sources: folders, hub ids, single files), downloaded to `cache`; t2i_adapters: T2I-Adapters
         (`convert.t2i_adapter.load_t2i_adapter` sources: folders, hub ids), likewise. ip_adapter: an IP-Adapter
         .safetensors file, with its CLIP image encoder's folder `image_encoder` (default: `image_encoder`
         beside the file; `pipelines.image_prompt.load`). first: makes the request the
@@ -88,8 +105,13 @@ class Pipeline:
         (without ControlNets, T2I-Adapters or an IP-Adapter).
         """
         from convert.controlnet import load_controlnet
+        from convert.library import default_cache_dir
         from convert.t2i_adapter import load_t2i_adapter
+        from pipelines.model_names import resolve_model
 
+        cache = Path(cache) if cache is not None else default_cache_dir()
+        folder = model if model_folder.is_model_folder(model) and (options is None or options.empty) else \
+            resolve_model(str(model), dtype=dtype, cache=cache, log=log or (lambda _msg: None), options=options)
         mesh = mesh or meshlib.make_mesh(fsdp)
         spec = model_folder.read_spec(folder)
         family = family_of(spec["pipeline_class"], set(spec["components"]), spec["extra"])
@@ -109,22 +131,23 @@ class Pipeline:
             placed = {n: weights.placed_abstract(m, dtype=computes[n].param_dtype, sharding=rule)
                       for n, m in abstract.items()}
             shell = cls.from_models(placed, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
-                                    name=name or str(folder))
+                                    name=name or str(model))
             shell.prefetch(first(shell))
         loaded = {  # each fills the abstract model built above
             n: model_folder.load_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n], sharding=rule,
-                                           spec=spec, abstract=lambda *_, model=model: model)
-            for n, model in abstract.items()
+                                           spec=spec, abstract=lambda *_, empty=empty: empty)
+            for n, empty in abstract.items()
         }
         nets = []
         for src in controlnets:
-            net = load_controlnet(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache_dir, log=log,
-                                  abstract=executables.abstract_model)
+            net = load_controlnet(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache / "models",
+                                  log=log, abstract=executables.abstract_model)
             control.check_compatible(net, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
             nets.append(net)
         adapters = []
         for src in t2i_adapters:
-            adapter = load_t2i_adapter(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache_dir,
+            adapter = load_t2i_adapter(src, dtype=dtype, compute=computes["unet"], sharding=rule,
+                                       cache_dir=cache / "models",
                                        log=log)
             t2i_adapter.check_compatible(adapter, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
             adapters.append(adapter)
@@ -133,7 +156,7 @@ class Pipeline:
             loaded |= image_prompt.load(ip_adapter, image_encoder, loaded["unet"], dtype=dtype, compute=computes["unet"],
                                         sharding=rule)
         return cls.from_models(loaded, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
-                               name=name or str(folder), controlnets=tuple(nets), t2i_adapters=tuple(adapters))
+                               name=name or str(model), controlnets=tuple(nets), t2i_adapters=tuple(adapters))
 
     @classmethod
     def from_models(cls, models: dict, *, family: Family, scheduler: schedulers.Scheduler, tokenizers: dict, mesh,
@@ -141,28 +164,71 @@ class Pipeline:
         """A pipeline over models already built and placed on `mesh`, {"unet", "vae", encoders...}, and
         ControlNets and T2I-Adapters: what training validates with. Each model runs in the compute dtype it
         carries (`model.compute`)."""
-        factor = models["vae"].config.downsample_factor
         nets = {controlnet_name(k): net for k, net in enumerate(controlnets)}
         nets |= {t2i_adapter.adapter_name(k): a for k, a in enumerate(t2i_adapters)}
-        return cls(
-            family=family,
-            scheduler=scheduler,
-            tokenizers=tokenizers,
-            sampler=Sampler({**models, **nets}, mesh),
-            factor=factor,
-            multiple=factor,  # the UNet resizes its up-sampling to its skips, as diffusers' does
-            channels=models["vae"].config.latent_channels,
-            default_size=_trained_size(models["unet"].config.sample_size) * factor,
-            name=name,
-            controlnets=tuple(controlnets),
-            t2i_adapters=tuple(t2i_adapters),
-        )
+        family = dataclasses.replace(family, guidance_embedded=models["unet"].config.time_cond_proj_dim is not None)
+        return cls(family=family, scheduler=scheduler, tokenizers=tokenizers, sampler=Sampler({**models, **nets}, mesh),
+                   name=name, controlnets=tuple(controlnets), t2i_adapters=tuple(t2i_adapters), **_shape_facts(models))
+
+    @property
+    def models(self) -> dict:
+        """The models the sampler runs, by name: "unet", "vae", "text_encoder" (and "text_encoder_2"),
+        ControlNets, T2I-Adapters, the IP-Adapter's parts. To run changed ones, see `replace`."""
+        return dict(self.sampler.models)
+
+    def replace(self, scheduler: schedulers.Scheduler | None = None, **models: nnx.Module) -> Pipeline:
+        """This pipeline with some models (by their `models` names) or the scheduler replaced; the others are
+        shared, not copied. A replacement runs in the compute dtype it carries and should live on this
+        pipeline's mesh: built on a loaded model's arrays (`sdx.weights.as_class`), or loaded with this mesh's
+        sharding (`sdx.model_folder.load_component(..., sharding=sdx.mesh.param_sharding(pipe.sampler.mesh))`).
+        A UNet of another class compiles programs of its own.
+
+            damped = pipe.replace(unet=as_class(pipe.models["unet"], DampedUNet))"""
+        unknown = sorted(set(models) - set(self.sampler.models))
+        if unknown:
+            raise SdxError(f"no model named {', '.join(unknown)} in this pipeline; it has {', '.join(self.sampler.models)}")
+        old = self.sampler
+        sampler = Sampler({**old.models, **models}, old.mesh, compile_log=old.compile_log, chunk=old.chunk)
+        return dataclasses.replace(self, scheduler=scheduler or self.scheduler, sampler=sampler,
+                                   **_shape_facts(sampler.models))
+
+    def complete(self, request: Request) -> Request:
+        """`request` with what it leaves open (None) chosen as `python -m sdx.sample` chooses it for this model:
+        the size of its image, else of its first control or adapter image, else of its latents, else the
+        model's training size (`default_size`); guidance_scale 5.0 for SDXL, else 7.5; strength, as diffusers'
+        pipelines: inpainting 0.9999 for SDXL, else 1.0; otherwise 0.3 for SDXL without ControlNets, else 0.8."""
+        r, xl = request, self.family.xl
+        if r.height is None or r.width is None:
+            height, width = self._size_of(r)
+            r = dataclasses.replace(r, height=height if r.height is None else r.height,
+                                    width=width if r.width is None else r.width)
+        if r.guidance_scale is None:
+            r = dataclasses.replace(r, guidance_scale=5.0 if xl else 7.5)
+        if r.strength is None:
+            inpaint = r.mask is not None
+            r = dataclasses.replace(r, strength=(0.9999 if xl else 1.0) if inpaint else 0.3 if xl and not r.controls else 0.8)
+        return r
+
+    def _size_of(self, r: Request) -> tuple[int, int]:
+        for given in (r.image, *(c.image for c in r.controls), *(a.image for a in r.adapters)):
+            if given is not None:
+                return tuple(given.shape[1:3])
+        for latents in (r.latents, r.init_latents):  # the diffusers layout, (N, C, h, w)
+            if latents is not None:
+                return latents.shape[2] * self.factor, latents.shape[3] * self.factor
+        return self.default_size, self.default_size
 
     def __call__(self, request: Request, progress=None) -> np.ndarray:
-        """Images (N, H, W, 3) float32 in [0, 1], or final latents (N, h, w, C) with output_latents.
+        """Images (N, H, W, 3) float32 in [0, 1], or final latents (N, h, w, C) with output_latents. What the
+        request leaves open is chosen by `complete`.
 
         progress: a tqdm-like bar (`total`, `update(n)`); its total grows by this request's model calls.
         """
+        return self.generate(request, progress).images
+
+    def generate(self, request: Request, progress=None) -> Generated:
+        """`__call__`'s images with what the request's interventions read out, one entry each."""
+        request = self.complete(request)
         self.validate(request)
         if self.controlnets and self.controlnets[0].config.global_pool_conditions:
             request = dataclasses.replace(request, guess_mode=True)  # as diffusers, from the first ControlNet
@@ -171,7 +237,7 @@ class Pipeline:
             progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
             progress.refresh()
         report = None if progress is None else progress.update
-        outs, bad = [], {}
+        outs, bad, readouts = [], {}, []
         for plan, inputs, real in work:
             sampled, first = self.sampler(plan, inputs, report), sum(map(len, outs))
             for j in range(real):
@@ -181,15 +247,17 @@ class Pipeline:
                 elif sampled.bad_decode[j]:
                     bad[i] = "the VAE decoded its finite latents to NaN or inf (in float32 too)"
             outs.append(meshlib.to_host(sampled.out)[:real])
+            readouts.append(jax.tree.map(lambda a, real=real: a[:real], sampled.readouts))
         out = np.concatenate(outs)
         out = out if request.output_latents else np.clip(out / 2 + 0.5, 0.0, 1.0)
         if bad:
             raise NonFiniteImages(out, bad)
-        return out
+        return Generated(out, jax.tree.map(lambda *parts: np.concatenate(parts), *readouts))
 
     def prefetch(self, request: Request) -> None:
         """Start reading the stored programs `request` will run (`Sampler.prefetch`); nothing when its batch
         size depends on free memory (more images than devices: `fitting_batch` compiles to find it)."""
+        request = self.complete(request)
         self.validate(request)
         if request.batch_size is None:
             if request.num_images > self.sampler.mesh.devices.size and meshlib.free_bytes(self.sampler.mesh) is not None:
@@ -200,10 +268,13 @@ class Pipeline:
 
     def validate(self, request: Request) -> None:
         """An SdxError, in the user's terms, for what this pipeline's models cannot take (`pipelines.request.validate`)."""
+        request = self.complete(request)
         validate(request, self.family, self.factor, self.multiple, len(self.controlnets), self.sampler.models["vae"].config,
                  ip_adapter=self.image_encoder is not None, adapters=[a.config for a in self.t2i_adapters])
         if request.image_prompt is not None:
             request.image_prompt.per_attention(self.sampler.models["unet"])  # a per-block spec that does not fit fails here
+        guider = guidance.of_request(self.family, request.guidance_scale, request.image_guidance_scale, request.guidance)
+        guidance.check_request(guider, request, self)
 
     @property
     def image_encoder(self):
@@ -211,6 +282,7 @@ class Pipeline:
         return self.sampler.models.get(image_prompt.ENCODER)
 
     def _work(self, request: Request) -> list:
+        request = self.complete(request)
         prompt = request.image_prompt
         ip_scales = None if prompt is None else prompt.per_attention(self.sampler.models["unet"])
         return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
@@ -260,6 +332,14 @@ class Pipeline:
 FREE_SHARE = 0.9  # of a device's free memory a generation may plan to use (the rest: fragmentation, the host)
 
 
+def _shape_facts(models: dict) -> dict:
+    """The pipeline's fields that its VAE and UNet decide."""
+    factor = models["vae"].config.downsample_factor
+    return dict(factor=factor, multiple=factor,  # the UNet resizes its up-sampling to its skips, as diffusers' does
+                channels=models["vae"].config.latent_channels,
+                default_size=_trained_size(models["unet"].config.sample_size) * factor)
+
+
 def _trained_size(sample_size) -> int:
     if isinstance(sample_size, (tuple, list)):
         return int(sample_size[0])
@@ -272,7 +352,9 @@ def to_uint8(images: np.ndarray) -> np.ndarray:
 
 
 def refine(base: Pipeline, refiner: Pipeline, request: Request, high_noise_frac: float, progress=None) -> np.ndarray:
-    """SDXL base for the first `high_noise_frac` of the schedule, the refiner for the rest."""
+    """SDXL base for the first `high_noise_frac` of the schedule, the refiner for the rest (what the request
+    leaves open chosen by the base's `complete`)."""
+    request = base.complete(request)
     latents = base(dataclasses.replace(request, denoising_end=high_noise_frac, output_latents=True), progress)
     handover = dataclasses.replace(
         request, denoising_start=high_noise_frac, denoising_end=None, latents=None,

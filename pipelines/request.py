@@ -21,7 +21,9 @@ from pipelines.image_prompt import ImagePrompt
 from pipelines.t2i_adapter import AdapterImage
 from pipelines.family import Family
 from pipelines.sampler import START_IMAGE, START_LATENTS, START_NOISE, Inputs, Plan
+from sdx import interventions as interventions_lib
 from sdx.errors import SdxError
+from sdx.interventions import Intervention
 from sdx.schedulers import Scheduler, denoising_range
 
 
@@ -34,11 +36,13 @@ class Request:
     `controls`: one `Control` per ControlNet of the pipeline, in order; `guess_mode`: diffusers' (see
     `pipelines.control`); `image_prompt`: the IP-Adapter's image and scale (`pipelines.image_prompt`);
     `adapters`: one `AdapterImage` per T2I-Adapter of the pipeline, in order, acting in the first
-    `adapter_factor` of the steps (`pipelines.t2i_adapter`)."""
+    `adapter_factor` of the steps (`pipelines.t2i_adapter`); `prompt_syntax`: how prompts give words weights,
+    "a1111" (`(word:1.3)`, `[word]`, `BREAK`), "compel" (`word++`, `(words)0.8`, `.and()`) or "none"
+    (`pipelines.text`, `sdx.prompt_syntax`)."""
 
     prompts: Sequence[str]
-    height: int
-    width: int
+    height: int | None = None  # None: `Pipeline.complete` chooses, as the command does
+    width: int | None = None
     steps: int = 30
     prompts_2: Sequence[str] | None = None
     negative_prompts: Sequence[str] | None = None
@@ -46,10 +50,10 @@ class Request:
     num_images_per_prompt: int = 1
     batch_size: int | None = None
     seed: int = 0
-    guidance_scale: float = 7.5
+    guidance_scale: float | None = None  # None: 5.0 for SDXL, else 7.5
     image_guidance_scale: float = 1.5
     guidance_rescale: float = 0.0
-    strength: float = 0.8
+    strength: float | None = None  # None: diffusers' default for the pipeline (`Pipeline.complete`)
     denoising_start: float | None = None
     denoising_end: float | None = None
     image: np.ndarray | None = None
@@ -66,6 +70,7 @@ class Request:
     negative_aesthetic_score: float = 2.5
     clip_skip: int | None = None
     long_prompt: str = "truncate"
+    prompt_syntax: str = "a1111"
     output_latents: bool = False
     vae_tiling: bool = False
     controls: Sequence[Control] = ()
@@ -73,6 +78,11 @@ class Request:
     image_prompt: ImagePrompt | None = None
     adapters: Sequence[AdapterImage] = ()
     adapter_factor: float = 1.0
+    # research: a guider around the one the scales choose (`pipelines.pag.PerturbedAttention`,
+    # `pipelines.sag.SelfAttention`, or one's own `pipelines.guidance.Guidance`), and what to change in the UNet
+    # (`sdx.interventions.Intervention`s: `sdx.freeu.FreeU`, `sdx.interventions.At(pattern, processor)`, ...)
+    guidance: guidance.Guidance | None = None
+    interventions: Sequence[Intervention] = ()
 
     @property
     def num_images(self) -> int:
@@ -138,6 +148,10 @@ def validate(r: Request, family: Family, factor: int, multiple: int, controlnets
             raise SdxError(f"the mask's shape {r.mask.shape} does not fit the image's {r.image.shape}")
     if r.long_prompt not in ("truncate", "chunk"):
         raise SdxError(f"--long-prompt {r.long_prompt!r}: choose truncate or chunk")
+    if r.prompt_syntax not in text.SYNTAXES:
+        raise SdxError(f"--prompt-syntax {r.prompt_syntax!r}: choose {', '.join(text.SYNTAXES)}")
+    text.check_syntax(r.prompt_syntax, [*r.prompts, *(r.prompts_2 or ()), *(r.negative_prompts or ()),
+                                        *(r.negative_prompts_2 or ())])
     if r.clip_skip is not None and r.clip_skip < 0:
         raise SdxError(f"--clip-skip {r.clip_skip} must be >= 0")
     for name, arr, shape in (
@@ -216,11 +230,8 @@ def batches(
         neg2 = per_prompt(r.negative_prompts_2, len(r.prompts), "--negative-prompt-2")
         negatives.append(per_image(neg2) if neg2 else negatives[0])
     zero_negative = family.force_zeros and r.negative_prompts is None and r.negative_prompts_2 is None
-    chunks = None
-    if r.long_prompt == "chunk":
-        chunks = max(text.chunks_needed(family, tokenizers, prompts), text.chunks_needed(family, tokenizers, negatives))
-    ids = text.tokenize(family, tokenizers, prompts, chunks=chunks)
-    neg_ids = text.tokenize(family, tokenizers, negatives, chunks=chunks)
+    ((ids, weights), (neg_ids, neg_weights)), weighting = text.tokenize_weighted(
+        family, tokenizers, [prompts, negatives], syntax=r.prompt_syntax, chunk=r.long_prompt == "chunk")
 
     start = START_NOISE
     if r.init_latents is not None:
@@ -231,13 +242,17 @@ def batches(
     begin, end = denoising_range(
         scheduler, r.steps, strength=strength, denoising_start=r.denoising_start, denoising_end=r.denoising_end
     )
+    guider, guider_values = interventions_lib.split(
+        guidance.of_request(family, r.guidance_scale, r.image_guidance_scale, r.guidance))
+    asked = [interventions_lib.split(one) for one in r.interventions]
     plan = Plan(
-        family=family, scheduler=scheduler, guidance=guidance.choose(family, r.guidance_scale, r.image_guidance_scale),
+        family=family, scheduler=scheduler, guidance=guider,
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
         decode=not r.output_latents, chunks=ids[family.encoders[0]].shape[1], clip_skip=r.clip_skip,
         inpaint=r.mask is not None, controlnets=len(r.controls), guess_mode=r.guess_mode and bool(r.controls),
         image_prompt=r.image_prompt is not None, t2i_adapters=len(r.adapters),
         blank_rows=jax.default_backend() in sampler.BLANK_ROWS_PLATFORMS, vae_tiling=r.vae_tiling,
+        interventions=tuple(static for static, _ in asked), weighting=weighting,
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
 
@@ -263,7 +278,9 @@ def batches(
     control_scales = control.scales_per_call(r.controls, total_calls, begin, end)
     adapter_all = [per_image_array(a.image) for a in r.adapters]
     adapter_scales = np.asarray([a.scale for a in r.adapters], np.float32)
-    adapter_gates = t2i_adapter.gates(r.adapter_factor, r.steps, begin, end, cut=r.denoising_end is not None)
+    # N of `t2i_adapter.gates`: SDXL's pipeline counts the steps, SD's acts at every model call (PNDM makes one more)
+    adapter_gates = t2i_adapter.gates(r.adapter_factor, r.steps if family.xl else total_calls, begin, end,
+                                      cut=r.denoising_end is not None)
 
     time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
     neg_time_ids = np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids
@@ -292,6 +309,10 @@ def batches(
             adapter_scales=adapter_scales,
             adapter_gates=adapter_gates,
             state=state,
+            guider=guider_values,
+            interventions=tuple(values for _, values in asked),
+            prompt_weights=None if weighting.syntax == "none" else jax.tree.map(
+                take, {"positive": weights, "negative": neg_weights}),
         )
         out.append((plan, inputs, min(batch, n - b0)))
     return out

@@ -57,6 +57,16 @@ def abstract(build: Callable[[nnx.Rngs], nnx.Module]) -> nnx.Module:
     return nnx.eval_shape(lambda: build(_ShapeOnlyRngs()))
 
 
+def as_class(model: nnx.Module, cls: type[nnx.Module]) -> nnx.Module:
+    """`model` rebuilt as `cls`, a subclass of its class built from the same (config, compute) (a researcher's
+    UNet with its own `__call__`), holding the very same arrays (nothing copied, shardings kept)."""
+    if not issubclass(cls, type(model)):
+        raise TypeError(f"{cls.__name__} is not a subclass of {type(model).__name__}")
+    rebuilt = abstract(lambda rngs: cls(model.config, model.compute, rngs=rngs))
+    nnx.update(rebuilt, nnx.state(model))
+    return rebuilt
+
+
 def param_shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:
     """{'down_blocks.0.resnets.0.conv1.kernel': shape, ...} for every parameter of `model`."""
     state = nnx.state(model, nnx.Param)

@@ -579,11 +579,11 @@ def test_eval_cli_measures_a_models_vae(tmp_path, demo_models, capsys):
     (False, True, "--model m: an InstructPix2Pix model edits images; pass it as --edit-model"),
 ])
 def test_eval_cli_refuses_a_model_of_the_wrong_kind(tmp_path, monkeypatch, capsys, edit, pix2pix, message):
-    import pipelines.cli
+    import pipelines.model_names
     from pipelines.pipeline import Pipeline
 
     loaded = []
-    monkeypatch.setattr(pipelines.cli, "resolve_model", lambda spec, **kw: tmp_path / spec)
+    monkeypatch.setattr(pipelines.model_names, "resolve_model", lambda spec, **kw: tmp_path / spec)
     monkeypatch.setattr(Pipeline, "load", classmethod(lambda cls, folder, **kw: loaded.append(folder) or _FakePipe(pix2pix)))
     monkeypatch.setattr(_FakePipe, "sampler", types.SimpleNamespace(), raising=False)
     assert shapes_eval.main(["--edit-model" if edit else "--model", "m", "--cache", str(tmp_path), "--quiet"]) == 2

@@ -27,7 +27,7 @@ from flax import nnx
 from convert import library as convert_lib
 from convert.sources import ModelOptions
 from pipelines import executables
-from pipelines.cli import resolve_model
+from pipelines.model_names import resolve_model
 from pipelines.family import Family, family_of
 from sdx import attention
 from sdx import mesh as meshlib
@@ -83,7 +83,7 @@ def computes(cfg: TrainConfig, mesh=None) -> dict[str, Compute]:
     dtype, as diffusers' scripts keep it, and only the adapters or the ControlNet are float32); the text
     encoders run in the compute dtype, their layers rematerialised under `--gradient_checkpointing` when
     they train; without `--attention`, each model takes the sampler's backend for its dtype (`chunked` on
-    a CPU: benchmarks/README.md, a training step 0.73× the time of `xla`'s)."""
+    a CPU: benchmarks/LOG.md, a training step 0.73× the time of `xla`'s)."""
     dtype = jnp.bfloat16 if cfg.mixed_precision == "bf16" else jnp.float32
     shards = mesh.devices.size if mesh is not None else 1
     run = lambda d: dict(attention=cfg.attention or attention.default_backend(d), batch_shards=shards)

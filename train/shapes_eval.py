@@ -341,7 +341,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _load(spec: str, args, cache: Path, log, *, edit: bool):
     from pipelines.pipeline import Pipeline
-    from pipelines.cli import resolve_model
+    from pipelines.model_names import resolve_model
 
     flag = "--edit-model" if edit else "--model"
     folder = resolve_model(spec, dtype=args.dtype, cache=cache, log=log)
@@ -365,7 +365,7 @@ def _by_seed(pipe, request_for, n: int, seeds: list[int], size: int, bar) -> np.
 
 
 def _load_vae(spec: str, cache: Path, log):
-    from pipelines.cli import resolve_model
+    from pipelines.model_names import resolve_model
     from sdx import model_folder
 
     folder = resolve_model(spec, dtype="float32", cache=cache, log=log)
