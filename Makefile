@@ -12,7 +12,7 @@ DEMO_PROMPTS := "a red circle on a blue background" "a yellow triangle on a purp
 	"a purple circle on a white background" "a black triangle on a red background"
 PROMPT ?=
 
-.PHONY: demo test venv venv-train venv-test default-models clean
+.PHONY: demo test docs venv venv-train venv-test venv-docs default-models clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,14 +28,22 @@ $(VENV)/.train: pyproject.toml | $(BIN)/python
 
 $(VENV)/.test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'  # the suite builds the documentation site too (tests/test_docs.py)
 	# only for its packaged CLIP BPE vocabulary (its own dependencies would pull torchvision)
 	$(BIN)/pip install -q --no-deps open_clip_torch
+	# the second scheduler reference, for its sampling.py alone (tests/test_schedulers_kdiffusion.py); its
+	# dependencies would pull torchvision too
+	$(BIN)/pip install -q --no-deps k-diffusion==0.1.1.post1
+	touch $(VENV)/.runtime $(VENV)/.train $(VENV)/.docs $@
+
+$(VENV)/.docs: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[docs]'
 	touch $(VENV)/.runtime $(VENV)/.train $@
 
 venv: $(VENV)/.runtime
 venv-train: $(VENV)/.train
 venv-test: $(VENV)/.test
+venv-docs: $(VENV)/.docs
 
 # A grid of eight prompts from the default model (outputs/demo-grid.png; the single images in outputs/demo/).
 # Another model and prompt: make demo MODEL=stabilityai/stable-diffusion-xl-base-1.0 PROMPT="a lighthouse"
@@ -50,5 +58,9 @@ default-models: venv-train
 test: venv-test
 	$(BIN)/python -m pytest -n 2 --dist loadfile -q tests
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link or an orphan page is an error.
+docs: venv-docs
+	$(BIN)/python -m mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache site

@@ -14,7 +14,8 @@ from sdx import weights
 from sdx.errors import ArgumentParser, run_command
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The command line of `python -m convert` (also the documentation's flag table, docs/hooks.py)."""
     p = ArgumentParser(
         prog="python -m convert", hint=" (see python -m convert --help)",
         description="Convert a model (diffusers folder, hub id, single-file checkpoint or sdx folder), a pipeline or "
@@ -57,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     def body():
-        args = _parser().parse_args(argv)
+        args = parser().parse_args(argv)
         log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
         options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
                                          embedding=args.embedding)

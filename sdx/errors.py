@@ -18,11 +18,36 @@ class SdxError(Exception):
     """Input-level failure with a message that says what was wrong and what to do."""
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """`--help` with each flag's default after its sentence, unless the sentence already says it or the default is
+    "not given" (None, False, nothing). The documentation's flag tables are this text (docs/hooks.py)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        value = action.default
+        unset = value is None or value is False or value is argparse.SUPPRESS or value in ([], ())
+        if not action.option_strings or "default" in text or unset:
+            return text
+        return f"{text} (default: {shown(action.default).replace('%', '%%')})"
+
+
+def shown(value) -> str:
+    """A default as a user would type it: 1e-06, 0.6667, 1.0, a list as its values."""
+    if isinstance(value, float):
+        text = f"{value:.4g}"
+        return text if "." in text or "e" in text else f"{text}.0"
+    if isinstance(value, (list, tuple)):
+        return " ".join(shown(v) for v in value)
+    return str(value)
+
+
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one `error:` line and exit status 2, like every other sdx error.
-    hint: appended to the message, e.g. " (see python -m convert --help)"."""
+    """argparse whose usage errors are one `error:` line and exit status 2, like every other sdx error, and whose
+    `--help` shows the defaults (`HelpFormatter`). hint: appended to the message, e.g. " (see python -m convert
+    --help)"."""
 
     def __init__(self, *args, hint: str = "", **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.hint = hint
 
@@ -46,7 +71,7 @@ def run_command(body: Callable[[], int | None]) -> int:
 def exit_without_teardown(status: int) -> NoReturn:
     """End a finished sampling command with `status`, its output flushed, without the interpreter's teardown:
     that frees every array, compiled program and mapped weight file one object at a time (SDXL in float32:
-    0.6 s of a 31 s warm `python -m sdx.sample` on a 2-core CPU, benchmarks/README.md), where the kernel
+    0.6 s of a 31 s warm `python -m sdx.sample` on a 2-core CPU, benchmarks/LOG.md), where the kernel
     frees a process's memory at once. Only for a command whose every write is done and closed when it
     returns (the sampler writes each image atomically before it goes on); training, whose checkpoints
     may still be being written, ends the usual way."""

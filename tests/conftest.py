@@ -25,7 +25,9 @@ processes.configure_this_process()
 # against 1043 s). Given first, the two workers end within seconds of each other; every other file follows
 # in xdist's usual order.
 SLOW_FILES = (
+    "tests/test_docs.py",  # ~250 on this VM under load (2026-12-04): every page's commands, one process
     "tests/test_sampler.py",  # ~260
+    "tests/test_research_pipelines.py",  # ~250 (FreeU, PAG, SAG against diffusers; measured on a busy VM)
     "tests/test_train_e2e.py",  # ~240
     "tests/test_unet.py",  # ~210
     "tests/test_train_step.py",  # ~170
@@ -38,6 +40,8 @@ SLOW_FILES = (
     "tests/test_t2i_adapter_pipelines.py",  # ~110
     "tests/test_controlnet_pipelines.py",  # ~90
     "tests/test_randomness.py",  # ~90
+    "tests/test_research_sampling.py",  # ~85
+    "tests/test_research_default_model.py",  # ~70
     "tests/test_ip_adapter_pipelines.py",  # ~80
     "tests/test_train_cache.py",  # ~80
     "tests/test_fuzz_readers.py",  # ~80
@@ -49,6 +53,7 @@ SLOW_FILES = (
     "tests/test_schedulers_parity.py",  # ~50
     "tests/test_full_disk.py",  # ~50
     "tests/test_ip_adapter.py",  # ~50
+    "tests/test_interventions.py",  # ~45
     "tests/test_t2i_adapter.py",  # ~40
     "tests/test_train_controlnet.py",  # ~40
     "tests/test_textual_inversion.py",  # ~40

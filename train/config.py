@@ -219,8 +219,8 @@ _LORA_DEFAULTS = {"text_to_image": {"rank": 4, "output_dir": "sd-model-finetuned
 
 
 
-def _flag(p: argparse.ArgumentParser, name: str, **kw) -> None:
-    """Add --name and its dashed spelling --na-me, both writing `name`."""
+def _flag(p, name: str, **kw) -> None:
+    """Add --name and its dashed spelling --na-me, both writing `name`, to parser or group `p`."""
     spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
     p.add_argument(*spellings, dest=name, **kw)
 
@@ -230,170 +230,195 @@ def _bool(p, name: str, help: str) -> None:
 
 
 def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
-    """lora: `python -m train.X_lora` (X with `--rank` 4 by default)."""
+    """The flags of `python -m train.X`, grouped by topic (what `--help` and the documentation's flag tables show).
+    lora: `python -m train.X_lora` (X with `--rank` 4 by default)."""
     d = {f.name: f.default for f in dataclasses.fields(TrainConfig)} | _DEFAULTS[task]
     d |= _LORA_DEFAULTS[task] if lora else {}
     name = f"{task}_lora" if lora else task
     p = ArgumentParser(prog=f"python -m train.{name}", allow_abbrev=False,
-                description=f"Fine-tune with sdx ({name}); flags as diffusers' training scripts.")
-    opt = lambda name, help, **kw: _flag(p, name, default=d[name], help=help, **kw)
+                       description=f"Fine-tune with sdx ({name}); flags as diffusers' training scripts, with "
+                                   "underscores or dashes.")
+    opt = lambda g, name, help, **kw: _flag(g, name, default=d[name], help=help, **kw)
 
+    g = p.add_argument_group("model")
     model_help = "what `python -m sdx.sample --model` takes: sdx folder, diffusers folder, single file or hub id"
     if task == "vae":
         model_help += "; its VAE is fine-tuned (or give --vae_config to start from random weights)"
-    opt("pretrained_model_name_or_path", model_help)
-    opt("pretrained_vae_model_name_or_path", "use this VAE instead of the model's (as `--vae` of the sampler)")
-    opt("revision", "hub revision of the model")
-    opt("variant", "weights variant to read (e.g. fp16)")
-    opt("cache_dir", "hub cache folder for models and datasets")
+    opt(g, "pretrained_model_name_or_path", model_help)
+    opt(g, "pretrained_vae_model_name_or_path", "use this VAE instead of the model's (as `--vae` of the sampler)")
+    opt(g, "revision", "hub revision of the model")
+    opt(g, "variant", "weights variant to read (e.g. fp16)")
+    opt(g, "cache_dir", "hub cache folder for models and datasets")
+    if task == "t2i_adapter":
+        opt(g, "adapter_model_name_or_path", "start from this T2I-Adapter (what `python -m sdx.sample --t2i-adapter` "
+            "takes); default: diffusers' T2IAdapter for the UNet, as torch initialises it")
+    if task == "controlnet":
+        opt(g, "controlnet_model_name_or_path", "start from this ControlNet (what `python -m sdx.sample --controlnet` "
+            "takes); default: a copy of the UNet's encoder half, zero convolutions zero")
 
+    g = p.add_argument_group("data")
     if task == "dreambooth":
-        opt("instance_data_dir", "a folder of the subject's images (every image file in it, no metadata)")
-        opt("dataset_name", "or the subject's images as a dataset (what text-to-image's --dataset_name takes)")
-        opt("image_column", "--dataset_name: the image column")
-        opt("caption_column", "--dataset_name: a column of each image's own prompt (default: --instance_prompt for "
-            "all)")
-        opt("repeats", "read each instance image this many times per epoch", type=int)
-        opt("instance_prompt", "the prompt of every instance image, naming the subject (e.g. 'a photo of sks dog')")
-        _bool(p, "with_prior_preservation", "also train on images of the subject's class under --class_prompt, "
-              "so that the class keeps its look")
-        opt("class_data_dir", "the class images; when it holds fewer than --num_class_images, the rest are sampled "
-            "into it with --class_prompt")
-        opt("class_prompt", "the prompt of the class images (e.g. 'a photo of dog')")
-        opt("prior_loss_weight", "weight of the class images' loss", type=float)
-        opt("num_class_images", "class images used (sampled first when the folder holds fewer)", type=int)
-        opt("sample_batch_size", "images per sampler call when sampling class images", type=int)
+        opt(g, "instance_data_dir", "a folder of the subject's images (every image file in it, no metadata)")
+        opt(g, "dataset_name", "or the subject's images as a dataset (what text-to-image's --dataset_name takes)")
+        opt(g, "image_column", "--dataset_name: the image column")
+        opt(g, "caption_column", "--dataset_name: a column of each image's own prompt (default: --instance_prompt "
+            "for all)")
+        opt(g, "repeats", "read each instance image this many times per epoch", type=int)
+        opt(g, "instance_prompt", "the prompt of every instance image, naming the subject (e.g. 'a photo of sks "
+            "dog')")
     elif task == "textual_inversion":
-        opt("train_data_dir", "a folder of the images (every image file in it, no metadata)")
-        opt("placeholder_token", "the new word, e.g. '<cat-toy>' (not yet in the tokenizer)")
-        opt("initializer_token", "one existing word whose vector the new word's vectors start from, e.g. 'toy'")
-        opt("learnable_property", "what the word stands for: an object ('a photo of a <word>', ...) or a style "
-            "('a painting in the style of <word>', ...)", choices=("object", "style"))
-        opt("num_vectors", "vectors of the word (tokens <word>, <word>_1, ...)", type=int)
-        opt("repeats", "read each image this many times per epoch", type=int)
+        opt(g, "train_data_dir", "a folder of the images (every image file in it, no metadata)")
+        opt(g, "repeats", "read each image this many times per epoch", type=int)
     else:
-        opt("dataset_name", "parquet dataset: a hub dataset id, a local folder of .parquet files, or one file")
-        opt("train_data_dir", "an image folder with metadata.jsonl (file_name plus the text column)")
+        opt(g, "dataset_name", "parquet dataset: a hub dataset id, a local folder of .parquet files, or one file")
+        opt(g, "train_data_dir", "an image folder with metadata.jsonl (file_name plus the text column)")
     if task == "pix2pix":
-        opt("original_image_column", "the image before the edit")
-        opt("edit_prompt_column", "the edit instruction")
-        opt("edited_image_column", "the image after the edit")
+        opt(g, "original_image_column", "the image before the edit")
+        opt(g, "edit_prompt_column", "the edit instruction")
+        opt(g, "edited_image_column", "the image after the edit")
     elif task not in ("dreambooth", "textual_inversion"):
-        opt("image_column", "the image column")
+        opt(g, "image_column", "the image column")
         if task in ("text_to_image", *CONTROL_TASKS):
-            opt("caption_column", "the caption column")
+            opt(g, "caption_column", "the caption column")
         if task in CONTROL_TASKS:
-            opt("conditioning_image_column", "the control image column (edges, depth, ...)")
-        if task == "t2i_adapter":
-            opt("adapter_model_name_or_path", "start from this T2I-Adapter (what `python -m sdx.sample "
-                "--t2i-adapter` takes); default: diffusers' T2IAdapter for the UNet, as torch initialises it")
-        if task == "controlnet":
-            opt("controlnet_model_name_or_path", "start from this ControlNet (what `python -m sdx.sample "
-                "--controlnet` takes); default: a copy of the UNet's encoder half, zero convolutions zero")
+            opt(g, "conditioning_image_column", "the control image column (edges, depth, ...)")
     if task not in ("dreambooth", "textual_inversion"):
-        opt("max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
-    opt("resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
-    opt("image_interpolation_mode", "the resize filter (torchvision's names; the SDXL scripts default to lanczos)",
-        choices=tuple(INTERPOLATIONS))
+        opt(g, "max_train_samples", "use only this many samples (the first after a seeded shuffle)", type=int)
+    opt(g, "resolution", "training size in pixels (shorter side resized to it, then cropped square)", type=int)
+    opt(g, "image_interpolation_mode", "the resize filter (torchvision's names; the SDXL scripts default to "
+        "lanczos)", choices=tuple(INTERPOLATIONS))
     if task not in CONTROL_TASKS:  # diffusers' ControlNet and T2I-Adapter scripts crop the center, unflipped
-        _bool(p, "center_crop", "crop the center (default: a random crop)")
+        _bool(g, "center_crop", "crop the center (default: a random crop)")
     if task == "textual_inversion":  # it always flips, as diffusers' script does
         p.set_defaults(random_flip=True)
     elif task not in CONTROL_TASKS:
-        _bool(p, "random_flip", "flip horizontally with probability 1/2")
-    opt("dataloader_num_workers", "data loading worker processes (0: in the main process)", type=int)
+        _bool(g, "random_flip", "flip horizontally with probability 1/2")
+    opt(g, "dataloader_num_workers", "data loading worker processes (0: in the main process)", type=int)
     if task in ("pix2pix", "text_to_image"):
-        _bool(p, "cache_latents", "encode the dataset once (VAE moments, text embeddings) into output_dir/cache")
+        _bool(g, "cache_latents", "encode the dataset once (VAE moments, text embeddings) into output_dir/cache")
 
-    opt("output_dir", "where the model, checkpoints, logs and validation images go")
-    opt("seed", "seed of every random draw (noise, timesteps, dropout, crops, flips, shuffling)", type=int)
-    opt("train_batch_size", "samples per device per micro-batch", type=int)
-    opt("num_train_epochs", "epochs (when --max_train_steps is not given)", type=int)
-    opt("max_train_steps", "optimizer steps; overrides --num_train_epochs", type=int)
-    opt("gradient_accumulation_steps", "micro-batches per optimizer step (summed inside one compiled step)", type=int)
-    _bool(p, "gradient_checkpointing", "rematerialise each block in the backward pass (less memory, more compute)")
-    opt("learning_rate", "peak learning rate", type=float)
-    _bool(p, "scale_lr", "multiply the learning rate by accumulation steps x batch size x devices")
-    opt("lr_scheduler", "learning-rate curve", choices=SCHEDULES)
-    opt("lr_warmup_steps", "linear warm-up, in optimizer steps", type=int)
-    opt("lr_num_cycles", "cosine_with_restarts: number of hard restarts", type=int)
-    opt("lr_power", "polynomial: power of the decay", type=float)
-    opt("lr_step_rules", "piecewise_constant: 'multiplier:step,...,last_multiplier', as diffusers' step_rules")
-    opt("adam_beta1", "AdamW beta1", type=float)
-    opt("adam_beta2", "AdamW beta2", type=float)
-    opt("adam_weight_decay", "AdamW decoupled weight decay", type=float)
-    opt("adam_epsilon", "AdamW epsilon", type=float)
-    opt("max_grad_norm", "clip the global gradient norm to this (0: no clipping)", type=float)
-    opt("mixed_precision", "bf16: bfloat16 compute, float32 master weights (fp16 runs as bf16)",
+    if task == "dreambooth":
+        g = p.add_argument_group("prior preservation", "DreamBooth's class images, which keep the class's look")
+        _bool(g, "with_prior_preservation", "also train on images of the subject's class under --class_prompt, "
+              "so that the class keeps its look")
+        opt(g, "class_data_dir", "the class images; when it holds fewer than --num_class_images, the rest are "
+            "sampled into it with --class_prompt")
+        opt(g, "class_prompt", "the prompt of the class images (e.g. 'a photo of dog')")
+        opt(g, "prior_loss_weight", "weight of the class images' loss", type=float)
+        opt(g, "num_class_images", "class images used (sampled first when the folder holds fewer)", type=int)
+        opt(g, "sample_batch_size", "images per sampler call when sampling class images", type=int)
+    if task == "textual_inversion":
+        g = p.add_argument_group("the new word")
+        opt(g, "placeholder_token", "the new word, e.g. '<cat-toy>' (not yet in the tokenizer)")
+        opt(g, "initializer_token", "one existing word whose vector the new word's vectors start from, e.g. 'toy'")
+        opt(g, "learnable_property", "what the word stands for: an object ('a photo of a <word>', ...) or a style "
+            "('a painting in the style of <word>', ...)", choices=("object", "style"))
+        opt(g, "num_vectors", "vectors of the word (tokens <word>, <word>_1, ...)", type=int)
+
+    g = p.add_argument_group("optimisation")
+    opt(g, "seed", "seed of every random draw (noise, timesteps, dropout, crops, flips, shuffling)", type=int)
+    opt(g, "train_batch_size", "samples per device per micro-batch", type=int)
+    opt(g, "num_train_epochs", "epochs (when --max_train_steps is not given)", type=int)
+    opt(g, "max_train_steps", "optimizer steps; overrides --num_train_epochs", type=int)
+    opt(g, "gradient_accumulation_steps", "micro-batches per optimizer step (summed inside one compiled step)",
+        type=int)
+    opt(g, "learning_rate", "peak learning rate", type=float)
+    _bool(g, "scale_lr", "multiply the learning rate by accumulation steps x batch size x devices")
+    opt(g, "lr_scheduler", "learning-rate curve", choices=SCHEDULES)
+    opt(g, "lr_warmup_steps", "linear warm-up, in optimizer steps", type=int)
+    opt(g, "lr_num_cycles", "cosine_with_restarts: number of hard restarts", type=int)
+    opt(g, "lr_power", "polynomial: power of the decay", type=float)
+    opt(g, "lr_step_rules", "piecewise_constant: 'multiplier:step,...,last_multiplier', as diffusers' step_rules")
+    opt(g, "adam_beta1", "AdamW beta1", type=float)
+    opt(g, "adam_beta2", "AdamW beta2", type=float)
+    opt(g, "adam_weight_decay", "AdamW decoupled weight decay", type=float)
+    opt(g, "adam_epsilon", "AdamW epsilon", type=float)
+    opt(g, "max_grad_norm", "clip the global gradient norm to this (0: no clipping)", type=float)
+
+    g = p.add_argument_group("precision, memory and devices")
+    opt(g, "mixed_precision", "bf16: bfloat16 compute, float32 master weights (fp16 runs as bf16)",
         choices=("no", "bf16", "fp16"))
-    opt("attention", "attention backend (default: the sampler's: chunked on a CPU, cudnn in bf16 on an NVIDIA GPU "
+    _bool(g, "gradient_checkpointing", "rematerialise each block in the backward pass (less memory, more compute)")
+    opt(g, "attention", "attention backend (default: the sampler's: chunked on a CPU, cudnn in bf16 on an NVIDIA GPU "
         "with flash attention, xla elsewhere)", choices=BACKENDS)
-    opt("fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)", type=int)
+    opt(g, "fsdp", "devices sharing each parameter, gradient and optimizer state (the rest split the batch)",
+        type=int)
+
     if task in LORA_TASKS:
-        opt("rank", "LoRA: train adapters of this rank on the UNet's attention projections (to_q, to_k, to_v, "
-            "to_out.0) and write them as pytorch_lora_weights.safetensors" + ("" if lora else " (default: the whole UNet)"),
-            type=int)
-        opt("lora_alpha", "LoRA: the adapters' alpha; they add alpha / rank x their product (default: the rank)",
+        g = p.add_argument_group("LoRA", "adapters instead of the whole UNet")
+        opt(g, "rank", "LoRA: train adapters of this rank on the UNet's attention projections (to_q, to_k, to_v, "
+            "to_out.0) and write them as pytorch_lora_weights.safetensors" + ("" if lora else " (default: the whole "
+            "UNet)"), type=int)
+        opt(g, "lora_alpha", "LoRA: the adapters' alpha; they add alpha / rank x their product (default: the rank)",
             type=float)
-        _bool(p, "train_text_encoder", "LoRA: also train adapters on the text encoders' attention projections "
+        _bool(g, "train_text_encoder", "LoRA: also train adapters on the text encoders' attention projections "
               "(q_proj, k_proj, v_proj, out_proj), written into the same file; the encoders then run in every step")
-        opt("text_encoder_lr", "--train_text_encoder: the encoders' adapters' peak learning rate (default: "
+        opt(g, "text_encoder_lr", "--train_text_encoder: the encoders' adapters' peak learning rate (default: "
             "--learning_rate; --scale_lr leaves it alone), on the same schedule", type=float)
 
+    g = p.add_argument_group("objective")
     if task != "vae":
-        opt("prediction_type", "training target (default: the model's scheduler config)", choices=PREDICTION_TYPES)
-        opt("snr_gamma", "min-SNR loss weighting with this gamma (5.0 is the paper's)", type=float)
-        opt("noise_offset", "offset noise scale", type=float)
-        opt("timestep_bias_strategy", "weigh the timesteps drawn: the later or earlier --timestep_bias_portion of "
+        opt(g, "prediction_type", "training target (default: the model's scheduler config)", choices=PREDICTION_TYPES)
+        opt(g, "snr_gamma", "min-SNR loss weighting with this gamma (5.0 is the paper's)", type=float)
+        opt(g, "noise_offset", "offset noise scale", type=float)
+        opt(g, "timestep_bias_strategy", "weigh the timesteps drawn: the later or earlier --timestep_bias_portion of "
             "them, or [--timestep_bias_begin, --timestep_bias_end), times --timestep_bias_multiplier",
             choices=("none", "earlier", "later", "range"))
-        opt("timestep_bias_multiplier", "the biased timesteps' weight (the others' is 1)", type=float)
-        opt("timestep_bias_begin", "range: the first biased timestep", type=int)
-        opt("timestep_bias_end", "range: the biased timesteps end before this one", type=int)
-        opt("timestep_bias_portion", "earlier/later: the share of the timesteps biased", type=float)
-        opt("input_perturbation", "input perturbation scale", type=float)
+        opt(g, "timestep_bias_multiplier", "the biased timesteps' weight (the others' is 1)", type=float)
+        opt(g, "timestep_bias_begin", "range: the first biased timestep", type=int)
+        opt(g, "timestep_bias_end", "range: the biased timesteps end before this one", type=int)
+        opt(g, "timestep_bias_portion", "earlier/later: the share of the timesteps biased", type=float)
+        opt(g, "input_perturbation", "input perturbation scale", type=float)
         if task == "pix2pix":
-            opt("conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
+            opt(g, "conditioning_dropout_prob", "drop text, image, or both, each with this probability", type=float)
         elif task != "textual_inversion":
-            opt("proportion_empty_prompts", "replace this proportion of captions by the empty prompt", type=float)
+            opt(g, "proportion_empty_prompts", "replace this proportion of captions by the empty prompt", type=float)
         if task == "text_to_image":
-            _bool(p, "dream_training", "DREAM: correct the noisy latents and target by the model's own prediction "
+            _bool(g, "dream_training", "DREAM: correct the noisy latents and target by the model's own prediction "
                   "(one more forward pass without gradient; epsilon-prediction models)")
-            opt("dream_detail_preservation", "DREAM's p: the correction is scaled by sqrt(1 - alpha_bar)^p", type=float)
+            opt(g, "dream_detail_preservation", "DREAM's p: the correction is scaled by sqrt(1 - alpha_bar)^p",
+                type=float)
     else:
-        opt("kl_weight", "weight of the KL term", type=float)
-        opt("reconstruction_loss", "l1 or l2", choices=("l1", "l2"))
-        opt("vae_config", "train from random weights: a preset name or a VAE config.json")
-        _bool(p, "decoder_only", "train the decoder (and post_quant_conv) only: the encoder, and so every latent "
+        opt(g, "kl_weight", "weight of the KL term", type=float)
+        opt(g, "reconstruction_loss", "l1 or l2", choices=("l1", "l2"))
+        opt(g, "vae_config", "train from random weights: a preset name or a VAE config.json")
+        _bool(g, "decoder_only", "train the decoder (and post_quant_conv) only: the encoder, and so every latent "
               "a model was trained on, stays exactly as it is")
 
-    _bool(p, "use_ema", "keep an exponential moving average of the weights; validate and save it")
-    opt("ema_decay", "EMA: maximum decay", type=float)
-    opt("ema_min_decay", "EMA: minimum decay", type=float)
-    opt("ema_update_after_step", "EMA: copy the weights until this optimizer step, then average", type=int)
-    _bool(p, "ema_use_warmup", "EMA: decay 1 - (1 + step/inv_gamma)^-power instead of (1 + step)/(10 + step)")
-    opt("ema_inv_gamma", "EMA warm-up inverse gamma", type=float)
-    opt("ema_power", "EMA warm-up power", type=float)
+    g = p.add_argument_group("EMA", "an exponential moving average of the weights (diffusers' EMAModel)")
+    _bool(g, "use_ema", "keep an exponential moving average of the weights; validate and save it")
+    opt(g, "ema_decay", "EMA: maximum decay", type=float)
+    opt(g, "ema_min_decay", "EMA: minimum decay", type=float)
+    opt(g, "ema_update_after_step", "EMA: copy the weights until this optimizer step, then average", type=int)
+    _bool(g, "ema_use_warmup", "EMA: decay 1 - (1 + step/inv_gamma)^-power instead of (1 + step)/(10 + step)")
+    opt(g, "ema_inv_gamma", "EMA warm-up inverse gamma", type=float)
+    opt(g, "ema_power", "EMA warm-up power", type=float)
 
-    opt("checkpointing_steps", "save a resumable checkpoint every N optimizer steps", type=int)
-    opt("checkpoints_total_limit", "keep only the newest N checkpoints", type=int)
-    opt("resume_from_checkpoint", "'latest' or a checkpoint folder")
+    g = p.add_argument_group("checkpoints")
+    opt(g, "checkpointing_steps", "save a resumable checkpoint every N optimizer steps", type=int)
+    opt(g, "checkpoints_total_limit", "keep only the newest N checkpoints", type=int)
+    opt(g, "resume_from_checkpoint", "'latest' or a checkpoint folder")
+
+    g = p.add_argument_group("validation")
     if task != "vae":
-        _flag_with_alias(p, "validation_prompt", "--validation_prompts", nargs="+", default=[],
-              help="prompt(s) (pix2pix: the edit instruction) sampled at each validation")
+        _flag_with_alias(g, "validation_prompt", "--validation_prompts", nargs="+", default=[],
+                         help="prompt(s) (pix2pix: the edit instruction) sampled at each validation")
         if task == "pix2pix":
-            _flag_with_alias(p, "val_image_url_or_path", "--val_image_url", default=None,
-                  help="the image validation edits (a local path)")
+            _flag_with_alias(g, "val_image_url_or_path", "--val_image_url", default=None,
+                             help="the image validation edits (a local path)")
         if task in CONTROL_TASKS:
-            opt("validation_image", "control image(s) of the validation (local paths): one, one per prompt, or "
+            opt(g, "validation_image", "control image(s) of the validation (local paths): one, one per prompt, or "
                 "several for one prompt", nargs="+")
-        opt("num_validation_images", "images per validation prompt", type=int)
-        opt("validation_inference_steps", "sampler steps of validation images", type=int)
-    opt("validation_steps", "validate every N optimizer steps", type=int)
-    opt("validation_epochs", "validate every N epochs", type=int)
-    opt("report_to", "metrics sink besides metrics.jsonl", choices=("tensorboard", "none"))
-    opt("logging_dir", "TensorBoard folder, relative to --output_dir", type=str)
-    opt("export_format", "also write the final model in this layout (the sdx folder is always written)",
+        opt(g, "num_validation_images", "images per validation prompt", type=int)
+        opt(g, "validation_inference_steps", "sampler steps of validation images", type=int)
+    opt(g, "validation_steps", "validate every N optimizer steps", type=int)
+    opt(g, "validation_epochs", "validate every N epochs", type=int)
+
+    g = p.add_argument_group("output and logging")
+    opt(g, "output_dir", "where the model, checkpoints, logs and validation images go")
+    opt(g, "report_to", "metrics sink besides metrics.jsonl", choices=("tensorboard", "none"))
+    opt(g, "logging_dir", "TensorBoard folder, relative to --output_dir", type=str)
+    opt(g, "export_format", "also write the final model in this layout (the sdx folder is always written)",
         choices=EXPORT_FORMATS)
     return p
 

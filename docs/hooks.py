@@ -1,0 +1,87 @@
+"""MkDocs hooks (mkdocs.yml `hooks:`): the flag tables of the documentation, generated from the commands' parsers.
+
+A page's line `<!-- flags: python -m train.pix2pix -->` becomes that command's flags, one table per topic (the
+parser's argument groups), each flag with the sentence and default its `--help` prints (`sdx.errors.HelpFormatter`
+writes both), so a table cannot drift from the code: a flag renamed, added or given another default is renamed,
+added or changed here at the next build. tests/test_docs.py builds the site (`mkdocs build --strict`) and uses
+`COMMANDS` to check the flags of the commands the pages show but do not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import html
+import importlib
+import re
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A command's parser: `module.parser(*args)` (the trainers': `train.config.parser(task, lora)`)."""
+
+    module: str
+    args: tuple = ()
+
+    def parser(self) -> argparse.ArgumentParser:
+        return importlib.import_module(self.module).parser(*self.args)
+
+
+# every command the pages show -> where its parser is
+COMMANDS = {
+    "python -m sdx.sample": Command("pipelines.cli"),
+    "python -m convert": Command("convert.cli"),
+    **{f"python -m train.{task}{'_lora' if lora else ''}": Command("train.config", (task, lora))
+       for task, lora in (("pix2pix", False), ("text_to_image", False), ("text_to_image", True), ("dreambooth", False),
+                          ("dreambooth", True), ("controlnet", False), ("t2i_adapter", False),
+                          ("textual_inversion", False), ("vae", False))},
+    "python -m train.shapes": Command("train.shapes"),
+    "python -m train.init": Command("train.init"),
+    "python -m train.shapes_eval": Command("train.shapes_eval"),
+}
+
+MARKER = re.compile(r"^<!-- flags: (?P<command>[^>]+?) -->$", re.M)
+
+
+def flags(action: argparse.Action, formatter: argparse.HelpFormatter) -> str:
+    """`--name VALUE` as `--help` spells it (the first spelling; positionals by their metavar)."""
+    if not action.option_strings:
+        return formatter._format_args(action, action.dest.upper())
+    first = action.option_strings[0]
+    if action.nargs == 0:
+        return first
+    return f"{first} {formatter._format_args(action, formatter._get_default_metavar_for_optional(action))}"
+
+
+def groups(parser: argparse.ArgumentParser) -> list[tuple[argparse._ArgumentGroup, list[argparse.Action]]]:
+    """The parser's argument groups with their flags, in `--help`'s order, without `-h` and empty groups."""
+    shown = [(g, [a for a in g._group_actions if a.help is not argparse.SUPPRESS
+                  and not isinstance(a, argparse._HelpAction)]) for g in parser._action_groups]
+    return [(g, actions) for g, actions in shown if actions]
+
+
+def _cell(text: str) -> str:
+    return html.escape(" ".join(text.split()), quote=False).replace("|", "\\|")
+
+
+def flag_tables(command: str) -> str:
+    """The Markdown tables of `command`'s flags: one per argument group, under its title."""
+    parser = COMMANDS[command].parser()
+    formatter = parser._get_formatter()
+    out = []
+    for group, actions in groups(parser):
+        out += [f"**{group.title}**" + (f": {group.description}" if group.description else ""), "",
+                "| flag | what it does |", "|---|---|"]
+        out += [f"| `{flags(a, formatter)}` | {_cell(formatter._expand_help(a))} |" for a in actions]
+        out.append("")
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    def table(match: re.Match) -> str:
+        command = match["command"]
+        if command not in COMMANDS:
+            raise KeyError(f"{page.file.src_path}: no parser for {command!r}; add it to COMMANDS in docs/hooks.py")
+        return flag_tables(command)
+
+    return MARKER.sub(table, markdown)
