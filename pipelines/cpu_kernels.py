@@ -5,7 +5,7 @@ XLA:CPU (jaxlib 0.10) hands dots, convolutions, reductions and elementwise work 
 fusions by default. Each fusion sets itself up on a program's first run, and its convolutions and fused
 elementwise work are slower than XLA's own; with YNNPACK off, SDXL's UNet loses its fast matrix products
 instead. YNNPACK for each matrix product alone (`INDIVIDUAL_DOT`) measured best for every program against
-the default (2-core Sapphire Rapids VM, SD 1.5 and SDXL at 256² and 512², benchmarks/README.md): the
+the default (2-core Sapphire Rapids VM, SD 1.5 and SDXL at 256² and 512², benchmarks/LOG.md): the
 first UNet call 0.4-4.1 s shorter, later ones equal to 5 % faster, the VAE decode 4-14 % faster. YNNPACK's
 reductions as well (`REDUCE`: a softmax's maximum and sum and the exponentials between them, group
 norms' sums) took SD 1.5's UNet call at 512² from 9.17 to 8.56 s, its decode from 9.86 to 9.57 s, and

@@ -125,7 +125,7 @@ PREFETCH_READERS = 2
 program keeps (SDXL's UNet step keeps 0.25 GiB), and SDXL's three read at once beside the loading weights
 were a warm `python -m sdx.sample`'s peak: 13.92 GiB RSS, 13.66 read one at a time. With the VAE's encoder
 left unread at load (`AutoencoderKL.READ_ON_USE`): 13.53 one at a time, 13.60 two at a time; one at a time made
-the programs ready 1-1.3 s later, two as early as three (2-core CPU, benchmarks/README.md)."""
+the programs ready 1-1.3 s later, two as early as three (2-core CPU, benchmarks/LOG.md)."""
 
 
 def _read(path: Path | None | str) -> jax.stages.Compiled | None:

@@ -15,7 +15,7 @@ Every `sdx.layers.conv` (NHWC inputs, HWIO kernels) calls `for_backend(Compute.c
   the patch matrix has no more rows than the input has channels (B·Ho·Wo ≤ C); `xla` otherwise and on
   every other platform. XLA's CPU convolution splits its work over output pixels, so at the UNet's
   low-resolution levels (8×8 latents, 1,280 channels) it reaches a third of the matmul rate; there
-  the patches cost little to gather (benchmarks/README.md: SD 1.5's UNet call at 256², 2.99 s → 2.06 s).
+  the patches cost little to gather (benchmarks/LOG.md: SD 1.5's UNet call at 256², 2.99 s → 2.06 s).
   At high resolution gathering the patches costs more than it saves, and there Winograd's products
   take the work (SD 1.5's VAE decode at 256², 2.90 → 2.32 s).
 
@@ -112,7 +112,7 @@ WINOGRAD_CHANNELS = 256
 """`auto` on a CPU computes a 3×3 convolution by `winograd` when it has at least WINOGRAD_PIXELS output
 pixels (B·H·W) and WINOGRAD_CHANNELS input and output channels: below either, the transforms (memory
 traffic, and the kernel's 16·C·O values formed at every call) cost more than the products saved
-(benchmarks/README.md measures both sides)."""
+(benchmarks/LOG.md measures both sides)."""
 
 # Winograd F(2×2, 3×3) (Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks", 2015): a 2×2 block
 # of outputs of a 3×3 kernel is A^T [(G g G^T) ⊙ (B^T d B)] A for the block's 4×4 input tile d
@@ -166,7 +166,7 @@ def winograd(x: jax.Array, kernel: jax.Array, precision=None, preferred_element_
 
 
 WINOGRAD_BAND = 2048
-"""`winograd` computes a batch of more output pixels than this in bands of about as many (benchmarks/README.md:
+"""`winograd` computes a batch of more output pixels than this in bands of about as many (benchmarks/LOG.md:
 the VAE decoder's 256²×256→256 403 ms whole, 288-310 ms in bands of 1,024-4,096 pixels)."""
 
 
@@ -201,7 +201,7 @@ def _phase_kernel(kernel: jax.Array) -> jax.Array:
 PHASE_PIXELS = 256
 """`upsample_conv` is taken (`folds_upsampling`) under `auto` on a CPU for an image of at least this many
 pixels (B·H·W). Below it, forming the 2×2 kernels (16·C·O values each call) costs more than the products
-saved: benchmarks/README.md measures both sides (2×4²×1280 slower, 2×16²×640 faster)."""
+saved: benchmarks/LOG.md measures both sides (2×4²×1280 slower, 2×16²×640 faster)."""
 
 
 def folds_upsampling(shape: tuple[int, ...], backend: Backend) -> bool:
@@ -224,7 +224,7 @@ def upsample_conv(x: jax.Array, kernel: jax.Array, backend: Backend) -> jax.Arra
     The padding is a `jnp.pad` before an unpadded convolution, not the convolution's own: XLA folds it back
     into the forward convolution (the same program), but the kernel's gradient of a 2×2 convolution padded
     by 1 on every side (padded by its full width) is a convolution XLA:CPU runs with a reversed kernel on a
-    slow path, 25-80× slower than the gradient of the unpadded one (benchmarks/README.md: 42.6 s against
+    slow path, 25-80× slower than the gradient of the unpadded one (benchmarks/LOG.md: 42.6 s against
     0.56 s for 2×32²×640 channels); from the padded input it is an ordinary one."""
     b, h, w, _ = x.shape
     o = kernel.shape[-1]

@@ -365,7 +365,7 @@ def read_ahead(array: np.ndarray) -> None:
     """Have the OS read `array`'s file pages into its page cache now, without mapping them into this process:
     called from several threads, the reads overlap, so the first use does not wait for the disk a page at a
     time (SDXL's 10 GB UNet: 4.3 s from disk with 4 threads, 0.2 s when already cached, on the 2-core VM of
-    benchmarks/README.md), and the pages count in the process's memory only once a computation maps them
+    benchmarks/LOG.md), and the pages count in the process's memory only once a computation maps them
     (a minor fault each)."""
     base, offset = _mapping(array) or (None, 0)
     if base is None:

@@ -12,7 +12,7 @@
   level 0 with the older emitters; a tiny_xl sampler call at 160², 5 steps, 6.2 s at level 1 and 8.3 s
   with these flags; test_remat_gives_same_output_and_gradient 30.5 -> 12.5 s,
   test_accumulation_equals_one_big_batch 45.0 -> 25.0 s, test_sd_text_to_image_takes_the_control_image_size
-  35.4 -> 20.4-27.8 s, seven of the slowest tests 279 -> 198-209 s; the whole suite: see README). The
+  35.4 -> 20.4-27.8 s, seven of the slowest tests 279 -> 198-209 s; the whole suite: see docs/testing.md). The
   flags are checked once per test run in a fresh `python` (`xla_flags`): an XLA that no longer knows one
   aborts at start-up, so the suite then runs without the flags it refuses. The numbers a test compares
   (with diffusers, between batch sizes, meshes or resumed runs) are computed under the same flags on

@@ -216,7 +216,7 @@ def test_auto_convolves_before_upsampling_where_its_rule_says():
 def test_the_kernel_gradient_of_a_folded_upsampling_is_an_ordinary_convolution():
     """`upsample_conv` pads before its 2×2 convolution: padded by the convolution itself (by the kernel's
     full width), the kernel's gradient compiles to a convolution with a reversed kernel, which XLA:CPU runs
-    25-80× slower (benchmarks/README.md; a third of a training step's time)."""
+    25-80× slower (benchmarks/LOG.md; a third of a training step's time)."""
     layer = _upsample_layer("auto")
     x = jnp.zeros((2, 11, 13, 6))  # folded (`folds_upsampling`), and XLA's convolution, not a matmul
     graphdef, params = nnx.split(layer)

@@ -167,7 +167,7 @@ def test_shapes_preset_fits_the_size_budget():
 
 
 # The shipped models on a seeded sample of their world, read by train.shapes_eval's fixed analysis; the
-# floors sit below what was measured (README) with room for float differences between machines, far
+# floors sit below what was measured (docs/default-models.md) with room for float differences between machines, far
 # above chance (shape 1/3, colour 1/8, background 1/7), so a broken model, loader or sampler fails here.
 SHIPPED_TEXT_FLOOR = {"shape": 0.85, "colour": 0.85, "background": 0.85, "all": 0.8}  # measured 24 of 24 each
 # of 6 edits (two of each kind): the asked attribute right (measured 6 of 6; chance ~0.2), and all three

@@ -219,7 +219,7 @@ def compile_step(state: TrainState, batch_shapes: Mapping[str, jax.ShapeDtypeStr
     step(state, batch, seed_key) with `constants` (a tree of arrays, default none) bound: the state keeps its
     shardings and is donated, the batch is split over every device of `mesh`, metrics come back replicated.
     kw: `train_step`'s keyword arguments. On a CPU it is compiled with the sampler's XLA options
-    (`pipelines.cpu_kernels`: a training step 0.84-0.88× the time of XLA's defaults, benchmarks/README.md)."""
+    (`pipelines.cpu_kernels`: a training step 0.84-0.88× the time of XLA's defaults, benchmarks/LOG.md)."""
     fn, args, options = step_program(state, batch_shapes, seed_key, mesh, constants, **kw)
     compiled = executables.compile(fn, *args, compiler_options=cpu_kernels.compiler_options(mesh), **options)
     constants = args[-1]
