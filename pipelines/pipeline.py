@@ -147,8 +147,7 @@ class Pipeline:
         adapters = []
         for src in t2i_adapters:
             adapter = load_t2i_adapter(src, dtype=dtype, compute=computes["unet"], sharding=rule,
-                                       cache_dir=cache / "models",
-                                       log=log)
+                                       cache_dir=cache / "models", log=log)
             t2i_adapter.check_compatible(adapter, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
             adapters.append(adapter)
         t2i_adapter.check_together([a.config for a in adapters], t2i_adapters)
