@@ -26,6 +26,10 @@ passed on; without one, `tokenizer_specs` gives the pad token etc. to build them
 CLIP vocabulary. Old key spellings (SD 1.x files saved before transformers' `text_model` wrapper) are
 renamed on reading (`single_file_keys.KEY_ALIASES`).
 
+An SDXL file's sampling markers (`edm_vpred.sigma_max`, `edm_mean`/`edm_std`, `v_pred`, `ztsnr`: CosXL,
+Playground v2.5, v-prediction and zero-SNR models) set its scheduler and VAE statistics
+(`convert.sampling_markers`), and writing puts them back.
+
 The UNet's EMA copy (`model_ema.*`, in LDM files) is ignored unless `ema=True` asks for it in
 place of the trained weights. A standalone VAE file (LDM or diffusers keys) gives a Checkpoint with
 only a "vae" component; `read_vae` maps one onto a given VAE config (for `--vae`).
@@ -44,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from convert import sampling_markers
 from convert import single_file_keys as K
 from convert.checkpoint import Checkpoint
 from sdx import io, presets, weights
@@ -341,6 +346,8 @@ def read_single_file(path, config_folder=None, *, preset: str | None = None, ema
             extra = {k: v for k, v in index.items()
                      if not k.startswith("_") and not (isinstance(v, list) and len(v) == 2)}
 
+    if layout == "sdxl":  # after the config folder: the file's own word on how it is sampled wins
+        tensors = sampling_markers.read(tensors, configs, extra, pix2pix=model_type == "sdxl_pix2pix", where=str(path))
     if layout == "vae":
         return Checkpoint(pipeline_class="", configs={"vae": configs["vae"]},
                           tensors={"vae": _vae_tensors(tensors, configs["vae"], str(path))})
@@ -444,6 +451,8 @@ def single_file_tensors(checkpoint: Checkpoint, *, lazy: bool = False) -> dict[s
         array = _Original(e, tuple(source[e.component][k] for k in e.diffusers))
         key = e.original[len(K.VAE_PREFIX):] if vae_only else e.original
         out[key] = array if lazy else np.asarray(array)
+    if layout == "sdxl":
+        out.update(sampling_markers.write(checkpoint.configs))
     return out
 
 
@@ -451,12 +460,14 @@ def write_single_file(checkpoint: Checkpoint, path, *, dtype: np.dtype | None = 
     """Write `checkpoint` as one safetensors file in the original SGM/LDM layout, its floating tensors
     cast to `dtype` (default: as they are); returns the number of tensors written.
 
-    The configs (scheduler, prediction type) are not part of that layout; a reader gets them from
-    the detected preset or a config folder. A VAE-only Checkpoint is written as a standalone VAE
+    The configs are not part of that layout: an SDXL file gets the sampling markers that describe its
+    scheduler (`convert.sampling_markers`); otherwise a reader gets them from the detected preset or a
+    config folder. A VAE-only Checkpoint is written as a standalone VAE
     file (keys without the `first_stage_model.` prefix).
     """
     tensors = single_file_tensors(checkpoint, lazy=True)
-    items = [(k, v if dtype is None else weights.lazy_cast(v, dtype)) for k, v in tensors.items()]
+    items = [(k, v if dtype is None or k in sampling_markers.KEYS else weights.lazy_cast(v, dtype))
+             for k, v in tensors.items()]  # the markers' sigmas stay float32
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     io.write_safetensors(path, items, metadata={"format": "pt"})

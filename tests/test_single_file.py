@@ -7,12 +7,15 @@ the key table agrees entry by entry with diffusers' converters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import types
 
 import numpy as np
 import pytest
 
+from convert import sampling_markers
 from convert import single_file as sf
 from convert import single_file_keys as K
 from convert.checkpoint import Checkpoint
@@ -307,6 +310,52 @@ def test_writer_rejects_unknown_diffusers_keys(tiny):
     ck.tensors["unet"]["down_blocks.0.bogus.weight"] = np.zeros(1, np.float32)
     with pytest.raises(SdxError, match=r"unet: down_blocks\.0\.bogus\.weight"):
         sf.single_file_tensors(ck)
+
+
+# CosXL's scheduler (tests/test_edm_models.py samples it against diffusers)
+_COSXL = {"_class_name": "EDMEulerScheduler", "num_train_timesteps": 1000, "prediction_type": "v_prediction",
+          "rho": 7.0, "sigma_data": 1.0, "sigma_max": 120.0, "sigma_min": 0.002, "sigma_schedule": "exponential"}
+
+
+def test_sampling_markers_say_how_an_sdxl_file_is_sampled(tiny, tmp_path):
+    """Each scheduler's markers, written into a float16 file, and read back over the config folder's Euler."""
+    folder, pipe, _ = tiny("sdxl")
+    base = checkpoint_of(pipe)
+    euler = dict(pipe.scheduler.config)
+    cases = {  # name -> (scheduler, markers written)
+        "default models": (presets.get("shapes").configs["scheduler"], {"v_pred", "ztsnr"}),
+        "v-prediction": ({**euler, "prediction_type": "v_prediction"}, {"v_pred"}),
+        "cosxl": (_COSXL, {"edm_vpred.sigma_max", "edm_vpred.sigma_min"}),
+        "epsilon": (euler, set()),
+    }
+    for name, (scheduler, markers) in cases.items():
+        path = tmp_path / f"{name}.safetensors"
+        sf.write_single_file(dataclasses.replace(base, configs={**base.configs, "scheduler": scheduler}), path,
+                             dtype=np.float16)
+        tensors = sf.load_tensors(path)
+        assert set(tensors) & set(sampling_markers.KEYS) == markers, name
+        back = sf.read_single_file(path, folder).configs["scheduler"]
+        if name == "cosxl":  # the sigmas stay float32: sigma_min 0.002 is not a float16
+            assert tensors["edm_vpred.sigma_min"].dtype == np.float32
+            assert back == {**_COSXL, "sigma_min": float(np.float32(0.002))}
+            continue
+        for field, default in (("prediction_type", "epsilon"), ("rescale_betas_zero_snr", False)):
+            assert back.get(field, default) == scheduler.get(field, default), (name, field)
+        spacing = "trailing" if "ztsnr" in markers else euler["timestep_spacing"]
+        assert back["timestep_spacing"] == spacing, name
+
+
+@pytest.mark.parametrize("markers, message", [
+    ({"edm_mean": np.zeros(4, np.float32)}, "edm_mean and edm_std without the other"),
+    ({"ztsnr": np.zeros(0, np.float32)}, "ztsnr without v_pred"),
+    ({"edm_vpred.sigma_max": np.float32([80, 120])}, "edm_vpred.sigma_max must be one positive number"),
+    ({"edm_vpred.sigma_max": np.float32(-1)}, "edm_vpred.sigma_max must be one positive number"),
+    ({"edm_mean": np.zeros(3, np.float32), "edm_std": np.ones(3, np.float32)}, "one value per latent channel (4)"),
+])
+def test_bad_sampling_markers_are_named(markers, message):
+    configs = {"scheduler": dict(presets.get("sdxl_base").configs["scheduler"]), "vae": {"latent_channels": 4}}
+    with pytest.raises(SdxError, match=re.escape(message)):
+        sampling_markers.read(markers, configs, {}, pix2pix=False, where="model.safetensors")
 
 
 def test_unknown_layout_lists_what_was_looked_for(tmp_path):
