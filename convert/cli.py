@@ -50,6 +50,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vae", metavar="MODEL", default=None,
                    help="use this VAE instead of the model's: a diffusers VAE folder, a pipeline folder, an sdx "
                         "folder, a single VAE file, or a hub id (org/name or org/name/FILE)")
+    p.add_argument("--unet", metavar="MODEL", default=None,
+                   help="use this UNet instead of the model's (LoRAs merge into it): a diffusers UNet folder (e.g. "
+                        "latent-consistency/lcm-sdxl), a pipeline folder, an sdx folder, a weights file in diffusers or "
+                        "original keys (e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors), or a hub id")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     p.add_argument("-q", "--quiet", action="store_true", help="print errors only")
     return p
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         log = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
         options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
-                                         embedding=args.embedding)
+                                         embedding=args.embedding, unet=args.unet)
         convert(args.src, args.out, fmt=args.fmt, dtype=args.dtype, variant=args.variant, revision=args.revision,
                 overwrite=args.overwrite, options=options, log=log)
 

@@ -64,13 +64,13 @@ def convert(
     check_output(Path(out), fmt, overwrite=overwrite)
     if variant is None:
         variant = default_variant(dtype)
-    loras, vae = resolved(options, variant=variant, cache_dir=cache_dir, log=log)
+    changes = resolved(options, variant=variant, cache_dir=cache_dir, log=log)
     embeddings = [(resolve_embedding(spec, cache_dir=cache_dir, log=log), token) for spec, token in options.embeddings]
     part = controlnet.read_if_controlnet(src, config=options.config, preset=options.preset, variant=variant,
                                          revision=revision, cache_dir=cache_dir, log=log)
     if part is not None:
         if options.changes_weights:
-            raise SdxError(f"{src}: a ControlNet; --lora, --vae and --embedding apply to pipelines")
+            raise SdxError(f"{src}: a ControlNet; --lora, --vae, --unet and --embedding apply to pipelines")
         return controlnet_folder.WRITERS[fmt](part, out, dtype=dtype, overwrite=overwrite, log=log)
     if fmt == "sdx" and model_folder.is_model_folder(src) and options.empty:
         return model_folder.resave(src, out, dtype=dtype, overwrite=overwrite, log=log)
@@ -78,7 +78,7 @@ def convert(
                        preset=options.preset, log=log)
     if not ckpt.pipeline_class and fmt != "single-file":
         raise SdxError(f"{src}: a standalone VAE file; use it with --vae, or write it with --format single-file")
-    apply_options(ckpt, loras, vae, variant=variant, log=log)
+    apply_options(ckpt, changes, variant=variant, log=log)
     if not ckpt.pipeline_class:
         if embeddings:
             raise SdxError(f"{src}: a standalone VAE; --embedding adds words to a pipeline's text encoders")
@@ -139,8 +139,8 @@ def ensure_sdx_folder(
 ) -> Path:
     """An sdx model folder for `src`: `src` itself when it is one (and `options` change nothing), else a
     conversion cached once under `cache_dir` (default `default_cache_dir()/models`), keyed by the
-    source's identity, `dtype` and the options (the LoRA files' identities and scales, the VAE's, the
-    embeddings' with their tokens).
+    source's identity, `dtype` and the options (the LoRA files' identities and scales, the VAE's and the
+    UNet's, the embeddings' with their tokens).
 
     A folder or single file is keyed by its resolved path and file stats; a hub id by the snapshot it
     resolves to (so a new commit converts again). This is what `python -m sdx.sample --model` calls.
@@ -167,11 +167,12 @@ def ensure_sdx_folder(
             raise SdxError(f"--config/--preset apply to single-file checkpoints; {src} is a hub repo")
         source = hub.fetch(str(src), variant=variant, revision=revision, cache_dir=None, log=log)
         key, name = f"hub\0{src}\0{source.name}", str(src).replace("/", "--")
-    loras, vae = resolved(options, variant=variant, cache_dir=None, log=log)
-    for lora, scale in loras:
+    changes = resolved(options, variant=variant, cache_dir=None, log=log)
+    for lora, scale in changes.loras:
         key += f"\0lora\0{identity(lora)}\0{scale!r}"
-    if vae is not None:
-        key += f"\0vae\0{identity(vae)}"
+    for what, path in (("vae", changes.vae), ("unet", changes.unet)):
+        if path is not None:
+            key += f"\0{what}\0{identity(path)}"
     embeddings = [(resolve_embedding(spec, log=log), token) for spec, token in options.embeddings]
     for embedding, token in embeddings:
         key += f"\0embedding\0{identity(embedding)}\0{token!r}"
@@ -183,7 +184,7 @@ def ensure_sdx_folder(
     ckpt = read_source(source, variant=variant, config=options.config, preset=options.preset, log=log)
     if not ckpt.pipeline_class:
         raise SdxError(f"{src}: a standalone VAE file, not a model; pass it with --vae")
-    apply_options(ckpt, loras, vae, variant=variant, log=log)
+    apply_options(ckpt, changes, variant=variant, log=log)
     try:
         with tokenizer_folders(ckpt, embeddings, log):
             return sdx_folder.write_sdx_folder(ckpt, out, dtype=dtype, overwrite=True, log=log)

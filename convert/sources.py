@@ -3,9 +3,9 @@
 A source is, in this order: an sdx model folder (sdx.json), a diffusers-layout folder
 (model_index.json), a single-file checkpoint (SGM/LDM keys, `convert.single_file`), or a hub id
 `org/name` (a local path always wins over a hub id). `read_source` makes it a `Checkpoint`;
-`ModelOptions` (the `--config`, `--preset`, `--lora` and `--vae` flags of `python -m convert` and
-`python -m sdx.sample`) change it: `resolve_lora` / `resolve_vae` find (or download) the files,
-`apply_options` swaps the VAE and merges the LoRAs.
+`ModelOptions` (the `--config`, `--preset`, `--lora`, `--vae` and `--unet` flags of `python -m convert` and
+`python -m sdx.sample`) change it: `resolved` finds (or downloads) the files, `apply_options` swaps the UNet
+(`convert.unet_source`) and the VAE and merges the LoRAs.
 
 Errors a user can fix are SdxErrors naming the flag and the file.
 """
@@ -16,8 +16,9 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from convert import diffusers_folder, hub, sdx_folder
 from convert.checkpoint import Checkpoint
@@ -44,6 +45,8 @@ class ModelOptions:
     loras: (file or hub path, scale) pairs, merged in order (`--lora FILE[:SCALE]`).
     vae: a VAE to use instead of the model's (`--vae`): a diffusers VAE folder, a pipeline folder
       (its vae/), an sdx folder, a single VAE file, or a hub id (`org/name`, `org/name/file.safetensors`).
+    unet: a UNet to use instead of the model's (`--unet`, `convert.unet_source`): a diffusers UNet folder, a
+      pipeline folder (its unet/), an sdx folder, a weights file (diffusers or original keys), or a hub id.
     embeddings: (file or hub path, token or None) pairs, textual inversion embeddings added in order
       (`--embedding FILE[:TOKEN]`, `convert.textual_inversion`).
     """
@@ -53,10 +56,11 @@ class ModelOptions:
     loras: tuple[tuple[str, float], ...] = ()
     vae: str | None = None
     embeddings: tuple[tuple[str, str | None], ...] = ()
+    unet: str | None = None
 
     @classmethod
     def from_args(cls, *, config=None, preset=None, lora: Sequence[str] | None = None, vae=None,
-                  embedding: Sequence[str] | None = None) -> ModelOptions:
+                  embedding: Sequence[str] | None = None, unet=None) -> ModelOptions:
         from convert.lora import parse_lora_arg
 
         loras = []
@@ -65,7 +69,7 @@ class ModelOptions:
             head, sep, tail = arg.rpartition(":")
             loras.append((head if sep and head and _is_number(tail) else arg, scale))  # the path as typed
         return cls(config=config, preset=preset, loras=tuple(loras), vae=vae,
-                   embeddings=tuple(map(parse_embedding_arg, embedding or ())))
+                   embeddings=tuple(map(parse_embedding_arg, embedding or ())), unet=unet)
 
     @property
     def single_file_only(self) -> bool:
@@ -73,7 +77,7 @@ class ModelOptions:
 
     @property
     def changes_weights(self) -> bool:
-        return bool(self.loras) or self.vae is not None or bool(self.embeddings)
+        return bool(self.loras) or self.vae is not None or bool(self.embeddings) or self.unet is not None
 
     @property
     def empty(self) -> bool:
@@ -221,27 +225,34 @@ def resolve_vae(spec: str, *, variant: str | None = None, cache_dir: str | Path 
                 log: Log | None = None) -> Path:
     """The local folder or file of a `--vae` argument (a hub id is downloaded: only the VAE's config and
     weights, from a VAE repo or from a pipeline repo's vae/ folder; `org/name/FILE` for a single file)."""
+    return resolve_model_part(spec, "vae", "VAE", "a single VAE file", variant=variant, cache_dir=cache_dir, log=log)
+
+
+def resolve_model_part(spec: str, part: str, name: str, file_kind: str, *, variant: str | None,
+                       cache_dir: str | Path | None, log: Log | None) -> Path:
+    """The local folder or file of a `--{part}` argument: a local path, or from the hub a model repo's root,
+    a pipeline repo's `{part}/` folder (only its config and weights), or `org/name/FILE`."""
     if Path(spec).exists():
         return Path(spec)
-    repo, file = _hub_or_error(spec, "--vae")
-    where = f"--vae {spec}: hub repo {repo!r}"
+    repo, file = _hub_or_error(spec, f"--{part}")
+    where = f"--{part} {spec}: hub repo {repo!r}"
 
     def choose(listing: list[str]) -> list[str]:
         if file is not None:
             if file not in listing:
                 raise SdxError(f"{where} has no file {file}")
             return [file]
-        found = diffusers_folder.model_files(listing, ("", "vae/"), variant, where=where)
+        found = diffusers_folder.model_files(listing, ("", f"{part}/"), variant, where=where)
         if found is not None:
             return found
-        raise SdxError(f"{where} is neither a VAE repo (config.json) nor a pipeline repo (vae/config.json); "
-                       f"for a single VAE file give --vae {repo}/FILE.safetensors")
+        raise SdxError(f"{where} is neither a {name} repo (config.json) nor a pipeline repo ({part}/config.json); "
+                       f"for {file_kind} give --{part} {repo}/FILE.safetensors")
 
     chosen = _recording(choose)
     folder = hub.fetch_files(repo, chosen, cache_dir=cache_dir, log=log)
     if file is not None:
         return folder / file
-    return folder / "vae" if chosen.picked[0].startswith("vae/") else folder
+    return folder / part if chosen.picked[0].startswith(f"{part}/") else folder
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,21 +325,30 @@ def read_vae_source(path: Path, pipeline_vae_config: dict, *, variant: str | Non
             return dict(pipeline_vae_config), single_file.read_vae(path, pipeline_vae_config)
         except SdxError as e:
             raise SdxError(f"{where}: does not fit the model's VAE: {e}") from None
+    config, tensors = read_part_folder(path, "vae", "VAE", "AutoencoderKL", file_kind="a VAE file", variant=variant)
+    return config, diffusers_folder.normalize_vae(tensors)
+
+
+def read_part_folder(path: Path, part: str, name: str, class_name: str, *, file_kind: str,
+                     variant: str | None) -> tuple[dict, Mapping[str, Any]]:
+    """(config.json dict, diffusers-keyed tensors) of the `--{part}` folder at `path`: an sdx folder's
+    `part`, a pipeline folder's `part/`, or a diffusers model folder of `class_name`."""
+    where = f"--{part} {path}"
     if model_folder.is_model_folder(path):
         ckpt = sdx_folder.read_sdx_folder(path)
-        if "vae" not in ckpt.tensors:
-            raise SdxError(f"{where}: this sdx folder has no vae")
-        return ckpt.configs["vae"], ckpt.tensors["vae"]
-    if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file():
-        path = path / "vae"  # a pipeline folder: its VAE
+        if part not in ckpt.tensors:
+            raise SdxError(f"{where}: this sdx folder has no {part}")
+        return ckpt.configs[part], ckpt.tensors[part]
+    if not (path / "config.json").is_file() and (path / part / "config.json").is_file():
+        path = path / part  # a pipeline folder: its model
     if not (path / "config.json").is_file():
-        raise SdxError(f"{where}: not a VAE folder (no config.json), a pipeline folder (no vae/config.json), "
-                       "an sdx folder or a VAE file")
+        raise SdxError(f"{where}: not a {name} folder (no config.json), a pipeline folder (no {part}/config.json), "
+                       f"an sdx folder or {file_kind}")
     config, tensors = diffusers_folder.read_model_folder(path, "diffusers", variant)
-    cls = config.get("_class_name", "AutoencoderKL")
-    if cls != "AutoencoderKL":
-        raise SdxError(f"{where}: its config.json describes a {cls}, not an AutoencoderKL")
-    return config, diffusers_folder.normalize_vae(tensors)
+    found = config.get("_class_name", class_name)
+    if found != class_name:
+        raise SdxError(f"{where}: its config.json describes {found}, not {class_name}")
+    return config, tensors
 
 
 def check_vae_architecture(config: dict, wanted: dict, *, where: str):
@@ -400,24 +420,40 @@ def resolve_embedding(spec: str, *, cache_dir: str | Path | None = None, log: Lo
     return hub.fetch_files(repo, choose, cache_dir=cache_dir, log=log) / file
 
 
-def resolved(options: ModelOptions, *, variant, cache_dir, log) -> tuple[list[tuple[Path, float]], Path | None]:
-    """The local files of the options' LoRAs and VAE (downloading hub ones), for `apply_options`."""
-    loras = [(resolve_lora(spec, cache_dir=cache_dir, log=log), scale) for spec, scale in options.loras]
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """The local files of a `ModelOptions`' weight changes, for `apply_options`."""
+
+    loras: tuple[tuple[Path, float], ...] = ()
+    vae: Path | None = None
+    unet: Path | None = None
+
+
+def resolved(options: ModelOptions, *, variant, cache_dir, log) -> Changes:
+    """The local files of the options' LoRAs, VAE and UNet (downloading hub ones), for `apply_options`."""
+    from convert.unet_source import resolve_unet
+
+    loras = tuple((resolve_lora(spec, cache_dir=cache_dir, log=log), scale) for spec, scale in options.loras)
     vae = resolve_vae(options.vae, variant=variant, cache_dir=cache_dir, log=log) if options.vae else None
-    return loras, vae
+    unet = resolve_unet(options.unet, variant=variant, cache_dir=cache_dir, log=log) if options.unet else None
+    return Changes(loras, vae, unet)
 
 
-def apply_options(ckpt: Checkpoint, loras: Sequence[tuple[Path, float]], vae: Path | None, *,
-                  variant: str | None = None, log: Log | None = None) -> Checkpoint:
-    """Swap the VAE and merge the LoRAs (in order) into `ckpt`, in place; returns it."""
+def apply_options(ckpt: Checkpoint, changes: Changes, *, variant: str | None = None,
+                  log: Log | None = None) -> Checkpoint:
+    """Swap the UNet and the VAE and merge the LoRAs (in order, into the new UNet) in `ckpt`, in place;
+    returns it."""
     from convert.lora import merge_lora
+    from convert.unet_source import swap_unet
 
     log = log or (lambda _msg: None)
-    if (loras or vae) and not ckpt.pipeline_class:
-        raise SdxError("--lora and --vae apply to a whole pipeline; this source is a standalone VAE")
-    if vae is not None:
-        swap_vae(ckpt, vae, variant=variant, log=log)
-    for path, scale in loras:
+    if changes != Changes() and not ckpt.pipeline_class:
+        raise SdxError("--lora, --vae and --unet apply to a whole pipeline; this source is a standalone VAE")
+    if changes.unet is not None:
+        swap_unet(ckpt, changes.unet, variant=variant, log=log)
+    if changes.vae is not None:
+        swap_vae(ckpt, changes.vae, variant=variant, log=log)
+    for path, scale in changes.loras:
         try:
             merge_lora(ckpt, path, scale)
         except SdxError as e:

@@ -95,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
     model.add_argument("--vae", metavar="MODEL",
                    help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "
                         "instead of the model's; also for --refiner")
+    model.add_argument("--unet", metavar="MODEL",
+                   help="use this UNet instead of the model's (LoRAs merge into it): a diffusers UNet folder (e.g. "
+                        "latent-consistency/lcm-sdxl), a pipeline folder, an sdx folder, a weights file in diffusers or "
+                        "original keys (e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors), or a hub id")
     prompts.add_argument("--prompt", nargs="+", help="one or more prompts")
     prompts.add_argument("--prompts-file", metavar="FILE",
                    help="many generations in one process: a prompt per line, or JSON objects with a \"prompt\" and "
@@ -468,7 +472,7 @@ def run(args: argparse.Namespace) -> list[Path]:
     meshlib.initialize()
     mesh = meshlib.make_mesh(args.fsdp)
     options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
-                                     embedding=args.embedding)
+                                     embedding=args.embedding, unet=args.unet)
     # inpainting and ControlNet or T2I-Adapter img2img take the text-to-image model
     edits = any(job.args.image and not job.args.mask and not job.args.controlnet and not job.args.t2i_adapter
                 for job in jobs)

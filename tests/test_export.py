@@ -1,5 +1,5 @@
 """python -m convert's writers and options: --format diffusers / single-file, --config, --vae, hub
---lora/--vae, and the one-line errors, on the tiny random-weight pipelines of tests/tiny_models.py.
+--lora/--vae/--unet, and the one-line errors, on the tiny random-weight pipelines of tests/tiny_models.py.
 
 Exports are checked against diffusers' own loaders (`from_pretrained`, `from_single_file`): their
 state dicts must equal the source pipeline's bit for bit. The images a single file or a LoRA gives
@@ -235,10 +235,10 @@ def test_vae_swap(tiny, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------------
-# Hub ids for --vae and --lora
+# Hub ids for --vae, --unet and --lora
 
 
-def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
+def test_hub_vae_unet_and_lora(tiny, tmp_path, monkeypatch, capsys):
     pipe, folder, sdx = tiny("sd15")
     monkeypatch.setattr(hub, "_offline", lambda: False)
 
@@ -253,6 +253,14 @@ def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
     out = library.convert(sdx, tmp_path / "out", options=library.ModelOptions(vae="org/pipe"))
     assert fake.downloaded == {"vae/config.json", "vae/diffusion_pytorch_model.safetensors"}
     assert_same_state(state(pipe.vae), {k: np.asarray(v) for k, v in read_sdx_folder(out).tensors["vae"].items()}, "vae")
+    # and as --unet: its unet/ folder, or one weights file in it
+    for spec, files in (("org/pipe", {"unet/config.json", "unet/diffusion_pytorch_model.safetensors"}),
+                        ("org/pipe/unet/diffusion_pytorch_model.safetensors", {"unet/diffusion_pytorch_model.safetensors"})):
+        fake.downloaded.clear()
+        out = library.convert(sdx, tmp_path / f"unet-{len(files)}", options=library.ModelOptions(unet=spec))
+        assert fake.downloaded == files
+        assert_same_state(state(pipe.unet), {k: np.asarray(v) for k, v in read_sdx_folder(out).tensors["unet"].items()},
+                          spec)
 
     # a LoRA repo: pytorch_lora_weights.safetensors by default, or the file named after the repo id
     repo = tmp_path / "lora-repo"
@@ -280,6 +288,7 @@ def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--lora", "org/lora"], "several .safetensors files")
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--lora", str(repo)], "the folder", "several .safetensors files")
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--vae", "org/lora"], "neither a VAE repo")
+    fails(capsys, [str(sdx), str(tmp_path / "c"), "--unet", "org/lora"], "neither a UNet repo")
     fails(capsys, [str(sdx), str(tmp_path / "c"), "--lora", "org/elsewhere:0.3"], "hub repo 'org/elsewhere'", "not found")
 
     import httpx2
@@ -293,5 +302,5 @@ def test_hub_vae_and_lora(tiny, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(hub, "list_repo_files", unreachable)
     monkeypatch.setattr(hub, "snapshot_download", not_cached)
-    for flag in ("--vae", "--lora"):
+    for flag in ("--vae", "--unet", "--lora"):
         fails(capsys, [str(sdx), str(tmp_path / "c"), flag, "org/far-away"], "'org/far-away'", "could not be reached")

@@ -85,18 +85,25 @@ def with_sdx_noise(pipe, *args, **kwargs):
         return reference(pipe, *args, **kwargs)
 
 
+def lcm_unet(base: diffusers.UNet2DConditionModel) -> diffusers.UNet2DConditionModel:
+    """`base` with an LCM guidance embedding (time_cond_proj_dim 32), perturbed and scaled so that its effect
+    is well above the parity bar."""
+    config = {k: v for k, v in base.config.items() if not k.startswith("_")}
+    unet = diffusers.UNet2DConditionModel(**{**config, "time_cond_proj_dim": 32})
+    unet.load_state_dict(base.state_dict(), strict=False)
+    perturb(unet.time_embedding.cond_proj, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        unet.time_embedding.cond_proj.weight.mul_(20.0)
+    return unet.eval()
+
+
 def test_lcm_unet_pipeline_matches_diffusers(tmp_path):
     """A tiny SD 1.x LCM (LatentConsistencyModelPipeline: its UNet embeds guidance_scale - 1, no negative
     branch), 4 steps of LCMScheduler, through the CLI."""
     base = make_tiny_pipeline("sd15", tmp_path / "base")
-    config = {k: v for k, v in base.unet.config.items() if not k.startswith("_")}
-    unet = diffusers.UNet2DConditionModel(**{**config, "time_cond_proj_dim": 32})
-    unet.load_state_dict(base.unet.state_dict(), strict=False)
-    perturb(unet.time_embedding.cond_proj, torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        unet.time_embedding.cond_proj.weight.mul_(20.0)  # the embedding's effect well above the parity bar
+    unet = lcm_unet(base.unet)
     pipe = diffusers.LatentConsistencyModelPipeline(
-        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=unet.eval(),
+        vae=base.vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, unet=unet,
         scheduler=diffusers.LCMScheduler.from_config(base.scheduler.config), safety_checker=None,
         feature_extractor=None, requires_safety_checker=False)
     folder = tmp_path / "lcm"
