@@ -112,7 +112,7 @@ def hub_errors(where: str, *, missing: str) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Single files and model folders other than pipelines (--lora, --vae)
+# Single files and model folders other than pipelines (--lora, --vae, --unet)
 
 _FILE_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)/(?P<file>[\w.-]+(/[\w.-]+)*)$")
 

@@ -162,7 +162,7 @@ def _read_single_file(path: Path, log: Log, *, config=None, preset=None) -> Chec
 
 
 # --------------------------------------------------------------------------------------------------
-# --lora, --vae: where the files are
+# --lora, --vae, --unet: where the files are
 
 
 def _hub_or_error(spec: str, flag: str) -> tuple[str, str | None]:

@@ -4,7 +4,7 @@
         --steps 30 --dtype bfloat16 --output out.png
 
 --model takes an sdx folder, a diffusers folder, a single-file checkpoint, a hub id (converted once
-into the cache; --lora, --vae, --embedding and --config are applied in that conversion), one of the shipped default
+into the cache; --lora, --vae, --unet, --embedding and --config are applied in that conversion), one of the shipped default
 models (`default`, `default-edit`: trained by sdx on its shapes world; without --model, `default`, or
 `default-edit` when --image is given without --mask) or a demo model name (`tiny`, `tiny_xl`: random weights, for
 tests). The pipeline type comes from the model;

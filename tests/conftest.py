@@ -43,6 +43,7 @@ SLOW_FILES = (
     "tests/test_research_sampling.py",  # ~85
     "tests/test_research_default_model.py",  # ~70
     "tests/test_ip_adapter_pipelines.py",  # ~80
+    "tests/test_edm_models.py",  # ~80 (Playground, CosXL, CosXL Edit against diffusers)
     "tests/test_train_cache.py",  # ~80
     "tests/test_fuzz_readers.py",  # ~80
     "tests/test_train_lora.py",  # ~80
@@ -54,6 +55,7 @@ SLOW_FILES = (
     "tests/test_full_disk.py",  # ~50
     "tests/test_ip_adapter.py",  # ~50
     "tests/test_interventions.py",  # ~45
+    "tests/test_unet_option.py",  # ~45
     "tests/test_t2i_adapter.py",  # ~40
     "tests/test_train_controlnet.py",  # ~40
     "tests/test_textual_inversion.py",  # ~40

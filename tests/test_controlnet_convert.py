@@ -246,5 +246,5 @@ def test_hub_id_fetches_only_the_controlnet(saved, tmp_path, monkeypatch):
     want = read_controlnet_part(folder).arrays
     got = controlnet_folder.read_sdx(out).arrays
     assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
-    with pytest.raises(SdxError, match="--lora, --vae and --embedding apply to pipelines"):
+    with pytest.raises(SdxError, match="--lora, --vae, --unet and --embedding apply to pipelines"):
         library.convert("org/controlnet", tmp_path / "out2", options=ModelOptions(vae=str(folder)))
