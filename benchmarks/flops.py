@@ -9,7 +9,7 @@ Why not `Sampler.flops`, XLA's count of the compiled programs: on a GPU, compili
 products, convolutions and cuDNN attention to library calls that XLA's analysis does not count. For
 SDXL at 1024², 25 steps on an H100 it gave 18.7 TFLOP for the job (71.0 with `xla` attention), where the
 model math is 348.9. And a lowered program has no count on JAX's GPU backend (jax 0.11.2), so count on
-a CPU; `python benchmarks/flops.py PRESET SIZE STEPS BATCH` prints the job's count (benchmarks/sample.py
+a CPU; `python benchmarks/flops.py PRESET SIZE STEPS BATCH [--no-guidance]` prints the job's count (benchmarks/sample.py
 runs it with JAX_PLATFORMS=cpu).
 """
 
@@ -87,8 +87,9 @@ def main(argv=None) -> None:
     p.add_argument("size", type=int)
     p.add_argument("steps", type=int)
     p.add_argument("batch", type=int)
+    p.add_argument("--no-guidance", action="store_true", help="one UNet call a step on the batch, not on twice it")
     a = p.parse_args(argv)
-    print(job_flops(a.preset, a.size, a.steps, a.batch))
+    print(job_flops(a.preset, a.size, a.steps, a.batch, guidance=not a.no_guidance))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Issue 12's accelerator measurements in one call, most important first, each stage logged to OUT/NAME.log
+# The GPU measurements (issues 12 and 66) in one call, most important first, each stage logged to OUT/NAME.log
 # and stopped at its own time limit so that a slow or failing stage leaves the next ones their time:
 #
 #   bash benchmarks/gpu_round.sh OUT [WORK]
+#
+# Issue 66's round, prepared for a 15-minute lease and rehearsed on a CPU (tiny_xl, float32), not yet run on a GPU:
+#   BUDGET=535 STAGES="batch8_profile fewstep options train_lora" \
+#   TRAIN_LORA="--preset sdxl_base --size 1024 --batch 1 --dtype bfloat16 --lora 16 --remat" bash benchmarks/gpu_round.sh OUT
 #
 # 1. attention: tests/test_attention.py, where the cuDNN backend is checked equal to `xla` (skipped off NVIDIA GPUs);
 # 2. batch1: steady state at batch 1 against diffusers, with a cold compilation cache (the first call's extra
@@ -27,6 +31,14 @@
 #    stays in WORK.
 # 13. train_lora: one LoRA training step (rank 4) of SDXL base's UNet at 1024², batch 1, bfloat16, against
 #    diffusers + peft's (benchmarks/train.py --lora; TRAIN_LORA overrides its arguments; needs peft).
+# 14. batch8_profile: steady state at batch 8 against diffusers, best of 2, then one more generation under each
+#    framework's profiler (issue 66's batch and its kernel-time profile); sdx's programs go to WORK/cache;
+# 15. options: benchmarks/options.py at batch 8, reading batch8_profile's programs from WORK/cache: one model call
+#    compiled under each of the option sets in OPTION_SETS (';'-separated, each `NAME OPTION=VALUE ...`; default
+#    below) in one process, timed against the sampler's own;
+# 16. fewstep: steady state at batch 1, 4 steps (the last --steps wins), no classifier-free guidance (SDXL-Lightning's and Turbo's way of
+#    running), against diffusers;
+# 17. batch8: steady state at batch 8 against diffusers, best of 2, without the profiler.
 #
 # STAGES (names, space-separated) runs those, in its order: a round split over two calls, say, or the
 # stages that matter most first. A stage that needs another's files (end_to_end and batch1_warm read
@@ -63,6 +75,18 @@ stage() {  # stage NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S (le
   tail -n "${TAIL:-14}" "$out/$name.log"
 }
 
+# Each one tried against the sampler's program by the options stage: XLA's merging of to_q/to_k/to_v products
+# (the twenty-ninth round's trace: three separate products would take 102 µs against the merged 146), cuDNN's
+# layer norm, cuDNN's runtime fusion of convolutions with their elementwise work, cuDNN GEMM fusions, cuBLAS for
+# every product, NCHW convolutions, Triton for any product; then the first two together.
+option_sets=${OPTION_SETS:-"no_dot_merger xla_gpu_dot_merger_threshold_mb=0; cudnn_layer_norm xla_gpu_enable_cudnn_layer_norm=true;
+conv_runtime_fusion xla_gpu_use_runtime_fusion=true; cudnn_gemm_fusion xla_gpu_cudnn_gemm_fusion_level=2;
+cublas xla_gpu_enable_triton_gemm=false; conv_nchw xla_gpu_force_conv_nchw=true; triton_gemm_any xla_gpu_triton_gemm_any=true;
+merger_and_layer_norm xla_gpu_dot_merger_threshold_mb=0 xla_gpu_enable_cudnn_layer_norm=true"}
+variants=()
+IFS=';' read -ra sets <<<"${option_sets//$'\n'/ }"
+for set in "${sets[@]}"; do read -ra words <<<"$set"; ((${#words[@]})) && variants+=(--variant "${words[@]}"); done
+
 read -ra train <<<"${TRAIN:---preset sd15 --size 512 --batch 8 --dtype bfloat16}"
 read -ra train_lora <<<"${TRAIN_LORA:---preset sdxl_base --size 1024 --batch 1 --dtype bfloat16 --lora 4}"
 for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batch4_flags batch1_other blank_rows train tiles profile train_lora}; do
@@ -90,6 +114,14 @@ for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batc
   train) stage "$name" 200 "$python" benchmarks/train.py --channels "" "${train[@]}" --attention "$attention" --repeats 5 ;;
   train_lora) stage "$name" 200 "$python" benchmarks/train.py --channels "" "${train_lora[@]}" --attention "$attention" \
                 --repeats 5 ;;
+  batch8_profile) stage "$name" 300 "$python" benchmarks/sample.py "${job[@]}" --batch 8 --attention "$attention" \
+                    --repeats 2 --profile --cache "$work/cache" ;;
+  options) stage "$name" 220 "$python" benchmarks/options.py --preset "${PRESET:-sdxl_base}" --size "${SIZE:-1024}" \
+             --steps "${STEPS:-25}" --dtype "${DTYPE:-bfloat16}" --work "$work" --batch 8 --attention "$attention" \
+             --cache "$work/cache" --calls $((${STEPS:-25} < 6 ? ${STEPS:-25} : 6)) "${variants[@]}" ;;
+  fewstep) stage "$name" 150 "$python" benchmarks/sample.py "${job[@]}" --steps 4 --batch 1 --guidance 0 \
+             --attention "$attention" --repeats 3 ;;
+  batch8) stage "$name" 240 "$python" benchmarks/sample.py "${job[@]}" --batch 8 --attention "$attention" --repeats 2 ;;
   *) echo "gpu_round.sh: no stage named $name" >&2; exit 2 ;;
   esac
 done

@@ -86,6 +86,12 @@ def build_diffusers_folder(preset_name: str, folder: Path, dtype: str = "float32
     return folder
 
 
+def job_folder(args) -> Path:
+    """The job's random-weight diffusers folder in WORK (built once per preset and dtype)."""
+    name = f"diffusers-{args.preset}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+    return build_diffusers_folder(args.preset, Path(args.work) / name, args.dtype)
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -109,7 +115,7 @@ def count_flops(args) -> float:
     """The job's floating-point operations (benchmarks/flops.py), counted in a CPU-only process: on a GPU,
     JAX gives no cost analysis of a lowered program."""
     command = [sys.executable, str(REPO / "benchmarks" / "flops.py"), args.preset, str(args.size), str(args.steps),
-               str(args.batch)]
+               str(args.batch), *(["--no-guidance"] if args.guidance <= 1 else [])]
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=REPO,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     return float(done.stdout.split()[-1])
@@ -139,24 +145,34 @@ def matmul_peak(matmul, operand, n: int, sync) -> float:
     return 2 * n**3 / best
 
 
-def run_sdx(args) -> dict:
-    import jax
+def sdx_job(args):
+    """(the sdx pipeline, the request) of the job: `args.folder` converted once into WORK/sdx, the compilation
+    cache in CACHE/jax where `--cache` keeps it (benchmarks/options.py reads the programs this stores)."""
     import numpy as np
 
     from convert.library import ensure_sdx_folder
+    from pipelines import sampler
     from pipelines.pipeline import Pipeline
     from pipelines.request import Request
+
+    sampler.enable_compilation_cache(args.cache and Path(args.cache) / "jax")
+    folder = ensure_sdx_folder(str(args.folder), dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
+    pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, attention=args.attention)
+    noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
+    request = Request(prompts=[PROMPT] * args.batch, height=args.size, width=args.size,
+                      steps=args.steps, latents=noise.astype(np.float32), guidance_scale=args.guidance)
+    return pipe, request
+
+
+def run_sdx(args) -> dict:
+    import jax
+
     from pipelines import sampler
     from sdx import products
 
     if args.blank_rows == "always":
         sampler.BLANK_ROWS_PLATFORMS = (jax.default_backend(),)
-    sampler.enable_compilation_cache(args.cache and Path(args.cache) / "jax")  # where `--cache` keeps them
-    folder = ensure_sdx_folder(args.folder, dtype=args.dtype, cache_dir=Path(args.work) / "sdx")
-    pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, attention=args.attention)
-    noise = np.random.default_rng(0).standard_normal((args.batch, pipe.channels, args.size // pipe.factor, args.size // pipe.factor))
-    request = Request(prompts=[PROMPT] * args.batch, height=args.size, width=args.size,
-                      steps=args.steps, latents=noise.astype(np.float32), guidance_scale=7.0)
+    pipe, request = sdx_job(args)
     t0 = time.perf_counter()
     pipe(request)
     first = time.perf_counter() - t0
@@ -192,7 +208,7 @@ def run_diffusers(args) -> dict:
     noise = np.random.default_rng(0).standard_normal((args.batch, pipe.vae.config.latent_channels, args.size // f, args.size // f))
     latents = torch.tensor(noise, dtype=dtype, device=pipe.device)
     call = lambda: pipe([PROMPT] * args.batch, height=args.size, width=args.size,
-                        num_inference_steps=args.steps, latents=latents, guidance_scale=7.0, output_type="np")
+                        num_inference_steps=args.steps, latents=latents, guidance_scale=args.guidance, output_type="np")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -232,7 +248,7 @@ def end_to_end_diffusers(args) -> dict:
     pipe.set_progress_bar_config(disable=True)
     latents = torch.tensor(np.load(Path(args.work) / "noise.npy"), dtype=dtype, device=device)
     image = pipe(PROMPT, height=args.size, width=args.size, num_inference_steps=args.steps, latents=latents,
-                 guidance_scale=7.0, output_type="np").images[0]
+                 guidance_scale=args.guidance, output_type="np").images[0]
     Image.fromarray((image * 255).round().astype(np.uint8)).save(Path(args.work) / "diffusers.png")
     return {}
 
@@ -251,7 +267,7 @@ def end_to_end(args, folder: Path) -> None:
     shape = (1, presets.get(args.preset).configs["vae"].get("latent_channels", 4), args.size // f, args.size // f)
     np.save(work / "noise.npy", np.random.default_rng(0).standard_normal(shape).astype(np.float32))
     sdx = [sys.executable, "-m", "sdx.sample", "--model", str(sdx_folder), "--prompt", PROMPT, "--steps", str(args.steps),
-           "--height", str(args.size), "--width", str(args.size), "--guidance-scale", "7.0", "--dtype", args.dtype,
+           "--height", str(args.size), "--width", str(args.size), "--guidance-scale", str(args.guidance), "--dtype", args.dtype,
            "--vae-dtype", args.vae_dtype,
            "--attention", args.attention, "--latents", str(work / "noise.npy"), "--output", str(work / "sdx.png"),
            "--overwrite", "--quiet",
@@ -285,6 +301,9 @@ def parse(argv=None):
     p.add_argument("--size", type=int, default=512)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--guidance", type=float, default=7.0,
+                   help="guidance scale for both frameworks; 1 or less runs no classifier-free guidance (one UNet "
+                        "call a step on the batch, as few-step models such as SDXL-Lightning and Turbo are run)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--vae-dtype", choices=("float32", "bfloat16"),
                    help="sdx's VAE (default: --dtype, as diffusers' pipeline runs its VAE; before 2026-11-26's fifth round "
@@ -323,8 +342,7 @@ def main(argv=None) -> int:
         workers = {"sdx": run_sdx, "diffusers": run_diffusers, "diffusers-e2e": end_to_end_diffusers}
         print(json.dumps(workers[args.worker](args)))
         return 0
-    name = f"diffusers-{args.preset}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
-    folder = build_diffusers_folder(args.preset, Path(args.work) / name, args.dtype)
+    folder = job_folder(args)
     if args.end_to_end:
         end_to_end(args, folder)
         return 0
@@ -333,7 +351,7 @@ def main(argv=None) -> int:
     if results is None:
         return 1
     print(f"# {machine()}; preset {args.preset}, {args.size}x{args.size}, {args.steps} steps, batch {args.batch}, "
-          f"{args.dtype} (sdx's VAE {args.vae_dtype})")
+          f"guidance {args.guidance:g}{'' if args.guidance > 1 else ' (none)'}, {args.dtype} (sdx's VAE {args.vae_dtype})")
     flops = count_flops(args)  # the same math for both
     print(f"# {flops / 1e12:.3f} TFLOP per generation (XLA's count of the model math, benchmarks/flops.py)")
     print("| framework | device | first call − steady (s) | s/image | images/s | peak memory (GiB) | GFLOP/s achieved | "
