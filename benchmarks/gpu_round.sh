@@ -7,6 +7,9 @@
 # Issue 66's round, prepared for a 15-minute lease and rehearsed on a CPU (tiny_xl, float32), not yet run on a GPU:
 #   BUDGET=535 STAGES="batch8_profile fewstep options train_lora" \
 #   TRAIN_LORA="--preset sdxl_base --size 1024 --batch 1 --dtype bfloat16 --lora 16 --remat" bash benchmarks/gpu_round.sh OUT
+# and its training half, SDXL's whole UNet and LoRA rank 16 at 1024² against diffusers' with gradient checkpointing:
+#   BUDGET=535 STAGES="train train_lora" TRAIN="--preset sdxl_base --size 1024 --batch 1 --dtype bfloat16 --remat" \
+#   TRAIN_LORA="--preset sdxl_base --size 1024 --batch 1 --dtype bfloat16 --lora 16 --remat" bash benchmarks/gpu_round.sh OUT
 #
 # 1. attention: tests/test_attention.py, where the cuDNN backend is checked equal to `xla` (skipped off NVIDIA GPUs);
 # 2. batch1: steady state at batch 1 against diffusers, with a cold compilation cache (the first call's extra
