@@ -39,8 +39,8 @@
 # 15. options: benchmarks/options.py at batch 8, reading batch8_profile's programs from WORK/cache: one model call
 #    compiled under each of the option sets in OPTION_SETS (';'-separated, each `NAME OPTION=VALUE ...`; default
 #    below) in one process, timed against the sampler's own;
-# 16. fewstep: steady state at batch 1, 4 steps (the last --steps wins), no classifier-free guidance (SDXL-Lightning's and Turbo's way of
-#    running), against diffusers;
+# 16. fewstep: steady state at batch 1, 4 steps (the last --steps wins), no classifier-free guidance
+#    (SDXL-Lightning's and Turbo's way of running), against diffusers;
 # 17. batch8: steady state at batch 8 against diffusers, best of 2, without the profiler.
 #
 # STAGES (names, space-separated) runs those, in its order: a round split over two calls, say, or the

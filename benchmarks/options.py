@@ -45,12 +45,11 @@ def timed_calls(program, params, prepared, calls: int) -> list[float]:
     return seconds
 
 
-def parse_variant(words: list[str]) -> tuple[str, dict[str, str]]:
-    """`NAME OPTION=VALUE ...` -> (NAME, {OPTION: VALUE})."""
+def parse_variant(words: list[str]) -> tuple[str, dict] | None:
+    """`NAME OPTION=VALUE ...` -> (NAME, {OPTION: value}); None when it is not of that form."""
     name, *options = words
-    bad = [o for o in options if "=" not in o]
-    if not options or bad:
-        raise SystemExit(f"options.py: --variant {' '.join(words)}: give a name, then one or more OPTION=VALUE")
+    if not options or any("=" not in o for o in options):
+        return None
     return name, {k: typed(v) for k, v in (o.split("=", 1) for o in options)}
 
 
@@ -81,6 +80,9 @@ def main(argv=None) -> int:
     if not 2 <= args.calls <= args.steps:
         p.error("--calls: from 2 (the first is a warm-up) to --steps")
     variants = [parse_variant(v) for v in args.variant]
+    for words, variant in zip(args.variant, variants):
+        if variant is None:
+            p.error(f"--variant {' '.join(words)}: give a name, then one or more OPTION=VALUE (an XLA option and its value)")
     args.vae_dtype = args.dtype
 
     import jax
