@@ -284,28 +284,44 @@ def read_vae(path, config: Mapping[str, Any]) -> dict[str, np.ndarray]:
     The architecture of every released SD/SDXL VAE is the same; the latent scaling is not, so the
     config should be the pipeline's own VAE config (e.g. `Checkpoint.configs["vae"]`).
     """
-    path = Path(path)
-    tensors = load_tensors(path)
-    return _vae_tensors(tensors, config, str(path))
+    return read_part(path, "vae", config, where=str(path))
 
 
-def _vae_tensors(tensors: Mapping[str, np.ndarray], config: Mapping[str, Any], where: str) -> dict[str, np.ndarray]:
-    entries = K.vae_entries(config)
-    if "encoder.down_blocks.0.resnets.0.conv1.weight" in tensors:  # already diffusers-keyed
-        wanted = {k: e for e in entries for k in e.diffusers}
-        patterns = [re.compile(p) for p in K.COMMON_IGNORED]
-        unknown = [k for k in tensors if k not in wanted and not _ignored(k, patterns)]
-        missing = [k for k in wanted if k not in tensors]
-        if unknown or missing:
-            raise SdxError(f"{where}: a diffusers-layout VAE that does not fit the config: "
-                           f"unexpected {_list(unknown) or 'none'}; missing {_list(missing) or 'none'}")
-        # older diffusers files keep the attention projections as 1x1 convs
-        return {k: K.to_diffusers(wanted[k], tensors[k])[0] for k in wanted}
-    if "encoder.conv_in.weight" not in tensors:
-        raise SdxError(f"{where}: not a VAE file: looked for encoder.conv_in.weight (LDM keys) or "
-                       "encoder.down_blocks.0.resnets.0.conv1.weight (diffusers keys)")
-    prefixed = {K.VAE_PREFIX + k: v for k, v in tensors.items()}
-    return map_tensors(prefixed, entries, K.COMMON_IGNORED, where=where)["vae"]
+# a lone component's file: its name in messages, its entries, the prefix its original keys have in a whole
+# checkpoint, and keys that only an original-keyed file (without that prefix) has
+_PARTS = {
+    "vae": ("VAE", K.vae_entries, K.VAE_PREFIX, ("encoder.conv_in.weight",)),
+    "unet": ("UNet", K.unet_entries, K.UNET_PREFIX, ("input_blocks.0.0.weight", "middle_block.0.in_layers.0.weight")),
+}
+
+
+def read_part(path, part: str, config: Mapping[str, Any], *, where: str) -> dict[str, np.ndarray]:
+    """A lone UNet's or VAE's weights file (`part`) as diffusers-keyed tensors for that component with `config`:
+    in diffusers keys, holding exactly the component's tensors, or in the original keys, with or without their
+    checkpoint prefix (`model.diffusion_model.`, `first_stage_model.`), mapped strictly (`map_tensors`)."""
+    return _part_tensors(load_tensors(Path(path)), part, config, where)
+
+
+def _part_tensors(tensors: Mapping[str, np.ndarray], part: str, config: Mapping[str, Any],
+                  where: str) -> dict[str, np.ndarray]:
+    name, entries, prefix, original = _PARTS[part]
+    entries = entries(config)
+    wanted = {k: e for e in entries for k in e.diffusers}
+    if any(k.startswith(prefix) or k in original for k in tensors):
+        prefixed = {k if k.startswith(prefix) else prefix + k: v for k, v in tensors.items()}
+        return map_tensors(prefixed, entries, K.COMMON_IGNORED, where=where)[part]
+    if not any(k in wanted for k in tensors):
+        raise SdxError(f"{where}: not a {name} file: its keys are neither diffusers' ({next(iter(wanted))}, ...) "
+                       f"nor the original ones ({original[0]}, ...)")
+    patterns = [re.compile(p) for p in K.COMMON_IGNORED]
+    unknown = [k for k in tensors if k not in wanted and not _ignored(k, patterns)]
+    missing = [k for k in wanted if k not in tensors]
+    if unknown or missing:
+        raise SdxError(f"{where}: does not hold the model's {name}: " + "; ".join(
+            f"{len(keys)} tensor(s) {what}: {_list(keys)}"
+            for keys, what in ((unknown, f"the model's {name} has not"), (missing, "missing")) if keys))
+    # older diffusers files keep the VAE's attention projections as 1x1 convs
+    return {k: K.to_diffusers(wanted[k], tensors[k])[0] for k in wanted}
 
 
 def read_single_file(path, config_folder=None, *, preset: str | None = None, ema: bool = False) -> Checkpoint:
@@ -350,7 +366,7 @@ def read_single_file(path, config_folder=None, *, preset: str | None = None, ema
         tensors = sampling_markers.read(tensors, configs, extra, pix2pix=model_type == "sdxl_pix2pix", where=str(path))
     if layout == "vae":
         return Checkpoint(pipeline_class="", configs={"vae": configs["vae"]},
-                          tensors={"vae": _vae_tensors(tensors, configs["vae"], str(path))})
+                          tensors={"vae": _part_tensors(tensors, "vae", configs["vae"], str(path))})
     components = ["unet", "vae", *K.LAYOUTS[layout]]
     _check_configs(configs, tensors, layout, str(path))
     entries = K.pipeline_entries(layout, configs, components)

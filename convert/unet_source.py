@@ -37,20 +37,12 @@ def resolve_unet(spec: str, *, variant: str | None = None, cache_dir: str | Path
 
 
 def _file_tensors(path: Path, config: Mapping[str, Any], model: Mapping[str, Any]) -> dict[str, Any]:
-    """The diffusers-keyed tensors of a UNet weights file, which must be exactly the model's UNet's."""
+    """The diffusers-keyed tensors of a UNet weights file, which must be exactly the model's UNet's, shapes
+    included (`single_file.read_part`)."""
     from convert import single_file
-    from convert import single_file_keys as K
 
     where = f"--unet {path}"
-    tensors = single_file.load_tensors(path)
-    if any(k.startswith((K.UNET_PREFIX, "input_blocks.", "middle_block.")) for k in tensors):  # original keys
-        prefixed = {k if k.startswith(K.UNET_PREFIX) else K.UNET_PREFIX + k: v for k, v in tensors.items()}
-        tensors = single_file.map_tensors(prefixed, K.unet_entries(config), K.COMMON_IGNORED, where=where)["unet"]
-    unknown, missing = sorted(set(tensors) - set(model)), sorted(set(model) - set(tensors))
-    if unknown or missing:
-        raise SdxError(f"{where}: does not hold the model's UNet: " + "; ".join(
-            f"{len(keys)} tensor(s) {what}: {single_file._list(keys)}"
-            for keys, what in ((unknown, "the model's UNet has not"), (missing, "missing")) if keys))
+    tensors = single_file.read_part(path, "unet", config, where=where)
     shapes = [f"{k} {list(tensors[k].shape)} (the model's: {list(model[k].shape)})" for k in sorted(tensors)
               if tuple(tensors[k].shape) != tuple(model[k].shape)]
     if shapes:

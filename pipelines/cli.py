@@ -15,6 +15,9 @@ inpainting model's own 9-channel way, or by blending with any other SD/SDXL mode
 --ip-adapter-image adds an image to the prompt (IP-Adapter). Bad input ends with
 one `error:` line and exit status 2.
 
+The conditioning and research methods each bring their flags, checks, request fields and PNG parameters
+(`pipelines.method.Method`); the command loops over their table, `METHODS`.
+
 The command lives in pipelines/ since it uses convert/ and pipelines/; sdx/sample.py is only its documented
 entry point, which calls `main` at run time (sdx itself imports nothing above it).
 """
@@ -28,17 +31,24 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipelines import research_cli, sampling_cli
+from pipelines import control, image_prompt, research_cli, sampling_cli, t2i_adapter
+from pipelines.method import Context, Method
 from pipelines.model_names import resolve_model
 from sdx import images, io
 from sdx.errors import ArgumentParser, SdxError, exit_without_teardown, run_command
 
 if TYPE_CHECKING:
     import PIL.Image
+
+# every method's command-line part, in the order of --help and of the request's conditioning
+METHODS: tuple[Method, ...] = (control.FLAGS, t2i_adapter.FLAGS, image_prompt.FLAGS, *research_cli.METHODS)
+# flags recorded in the PNG's metadata when set (the methods record their own)
+RECORDED = ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "apply_overlay", "refiner", "latents",
+            "clip_skip", "lora", "vae", "embedding", "padding_mask_crop")
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -48,160 +58,125 @@ def _size(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def _ip_scale(text: str) -> float | dict:
-    """--ip-adapter-scale: a number, or a JSON object of per-block scales."""
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor a JSON object like "
-                                         '\'{"up": {"block_0": [0.0, 1.0, 0.0]}}\'')
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
-    from sdx.attention import BACKENDS
-
     p = ArgumentParser(prog="python -m sdx.sample", description=__doc__.split("\n\n")[0])
-    model = p.add_argument_group("the model")
-    prompts = p.add_argument_group("prompts")
-    sampling = p.add_argument_group("sampling")
-    image = p.add_argument_group("img2img, inpainting and editing")
-    sdxl = p.add_argument_group("SDXL: the refiner and micro-conditioning")
-    control = p.add_argument_group("ControlNet")
-    adapter = p.add_argument_group("T2I-Adapter")
-    ip = p.add_argument_group("IP-Adapter")
-    device = p.add_argument_group("precision, memory and devices")
-    output = p.add_argument_group("output and cache")
-    model.add_argument("--model",
+    for title, add in GROUPS:
+        add(p.add_argument_group(title))
+    for method in METHODS:
+        method.add_flags(p.add_argument_group(method.title))
+    return p
+
+
+def _model_flags(g) -> None:
+    g.add_argument("--model",
                    help="sdx folder, diffusers folder, single-file checkpoint, hub id, default model (default, "
                         "default-edit) or random-weight demo model (tiny, tiny_xl); without it: default, or "
                         "default-edit with --image (without --mask)")
-    model.add_argument("--config", metavar="FOLDER",
+    g.add_argument("--config", metavar="FOLDER",
                    help="single-file --model: a diffusers-layout folder whose config.json files (and tokenizers) "
                         "describe it, instead of the built-in preset its keys point to")
-    model.add_argument("--preset", metavar="NAME",
+    g.add_argument("--preset", metavar="NAME",
                    help="single-file --model: read it as this preset, e.g. sd21 for an SD 2.x-base epsilon file")
-    model.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
+    g.add_argument("--lora", metavar="FILE[:SCALE]", action="append", default=[],
                    help="merge a LoRA (kohya or diffusers/PEFT .safetensors, or hub org/name[/FILE]) into --model "
                         "at SCALE (default 1.0); repeatable")
-    model.add_argument("--embedding", metavar="FILE[:TOKEN]", action="append", default=[],
+    g.add_argument("--embedding", metavar="FILE[:TOKEN]", action="append", default=[],
                    help="add a textual inversion embedding (diffusers learned_embeds, A1111 or SDXL .safetensors, or a hub org/name/FILE) as the word TOKEN (default: its own token, else the file's name); repeatable")
-    model.add_argument("--vae", metavar="MODEL",
+    g.add_argument("--vae", metavar="MODEL",
                    help="use this VAE (diffusers VAE folder, pipeline folder, sdx folder, single VAE file, or hub id) "
                         "instead of the model's; also for --refiner")
-    model.add_argument("--unet", metavar="MODEL",
+    g.add_argument("--unet", metavar="MODEL",
                    help="use this UNet instead of the model's (LoRAs merge into it): a diffusers UNet folder (e.g. "
                         "latent-consistency/lcm-sdxl), a pipeline folder, an sdx folder, a weights file in diffusers or "
                         "original keys (e.g. ByteDance/SDXL-Lightning/sdxl_lightning_4step_unet.safetensors), or a hub id")
-    prompts.add_argument("--prompt", nargs="+", help="one or more prompts")
-    prompts.add_argument("--prompts-file", metavar="FILE",
+
+
+def _prompts_flags(g) -> None:
+    g.add_argument("--prompt", nargs="+", help="one or more prompts")
+    g.add_argument("--prompts-file", metavar="FILE",
                    help="many generations in one process: a prompt per line, or JSON objects with a \"prompt\" and "
                         "per-line settings (see pipelines/prompts_file.py); images go to --output/NNNNN.png and a run "
                         "started again skips those already written")
-    prompts.add_argument("--prompt-2", nargs="+", help="SDXL: prompts for the second text encoder (default: --prompt)")
-    prompts.add_argument("--negative-prompt", nargs="+", help="one, or one per prompt")
-    prompts.add_argument("--negative-prompt-2", nargs="+", help="SDXL: for the second text encoder")
-    sampling.add_argument("--steps", type=int, default=30, help="denoising steps (diffusers' num_inference_steps)")
-    sampling.add_argument("--guidance-scale", type=float, default=None, help="default 7.5 (5.0 for SDXL)")
-    sampling.add_argument("--guidance-rescale", type=float, default=0.0,
-                          help="rescale of the guided prediction (Lin et al. 2023; zero-SNR and v-prediction models)")
-    image.add_argument("--image", help="input image: img2img, or the image an InstructPix2Pix model edits")
-    image.add_argument("--strength", type=float, default=None,
+    g.add_argument("--prompt-2", nargs="+", help="SDXL: prompts for the second text encoder (default: --prompt)")
+    g.add_argument("--negative-prompt", nargs="+", help="one, or one per prompt")
+    g.add_argument("--negative-prompt-2", nargs="+", help="SDXL: for the second text encoder")
+    g.add_argument("--long-prompt", choices=("truncate", "chunk"), default="truncate",
+                   help="prompts over 77 tokens: cut (diffusers) or encode in 75-token chunks")
+    g.add_argument("--clip-skip", type=int, help="use the text encoder output this many layers earlier")
+    sampling_cli.add_prompt_flags(g)  # --prompt-syntax
+
+
+def _sampling_flags(g) -> None:
+    g.add_argument("--steps", type=int, default=30, help="denoising steps (diffusers' num_inference_steps)")
+    g.add_argument("--guidance-scale", type=float, default=None, help="default 7.5 (5.0 for SDXL)")
+    g.add_argument("--guidance-rescale", type=float, default=0.0,
+                   help="rescale of the guided prediction (Lin et al. 2023; zero-SNR and v-prediction models)")
+    g.add_argument("--height", type=int, help="pixels (default: the model's training size, or the image's)")
+    g.add_argument("--width", type=int, help="pixels (default: the model's training size, or the image's)")
+    g.add_argument("--num-images", type=int, default=1, help="images per prompt")
+    g.add_argument("--seed", type=int, default=0,
+                   help="image j of a run is the image seed + j gives alone (A1111's seeds), the same at any batch size")
+    sampling_cli.add_flags(g)  # --scheduler, --timestep-spacing, --eta
+    g.add_argument("--latents", help="initial noise, .npy (images, channels, height/f, width/f) float32 as diffusers' latents=")
+
+
+def _image_flags(g) -> None:
+    g.add_argument("--image", help="input image: img2img, or the image an InstructPix2Pix model edits")
+    g.add_argument("--strength", type=float, default=None,
                    help="img2img and inpainting: how much to change (default 0.8, SDXL 0.3; inpainting 1.0, SDXL 0.9999)")
-    image.add_argument("--mask", metavar="FILE",
+    g.add_argument("--mask", metavar="FILE",
                    help="inpainting: white repaints, black keeps (resized to the image, greyscale, binarised at 0.5)")
-    image.add_argument("--mask-blur", type=float, default=0.0, metavar="PX",
+    g.add_argument("--mask-blur", type=float, default=0.0, metavar="PX",
                    help="blur the mask by this Gaussian radius first (diffusers' mask_processor.blur)")
-    image.add_argument("--apply-overlay", action="store_true",
+    g.add_argument("--apply-overlay", action="store_true",
                    help="inpainting: paste --image's pixels back where the mask keeps them, through --mask-blur's soft "
                         "edge (diffusers' apply_overlay; what A1111 does): the kept region stays exactly the input, "
                         "where the VAE's decode would shift it (always so with --padding-mask-crop)")
-    image.add_argument("--padding-mask-crop", type=int, metavar="PX",
+    g.add_argument("--padding-mask-crop", type=int, metavar="PX",
                    help="inpaint only a crop around the mask, grown by PX pixels, at the generation size (--height/"
                         "--width, default the model's), and paste it back into the image (diffusers' padding_mask_crop)")
-    control.add_argument("--controlnet", metavar="MODEL", action="append", default=[],
-                   help="a ControlNet (diffusers or sdx folder, hub id, or original single file) to guide the model "
-                        "with; repeatable, each with its --control-image")
-    control.add_argument("--control-image", metavar="FILE", action="append", default=[],
-                   help="the map a --controlnet reads (edges, depth, pose, ... as the user made it), in the same order; "
-                        "resized to the generation size")
-    control.add_argument("--controlnet-conditioning-scale", metavar="S", type=float, nargs="+",
-                   help="one, or one per --controlnet (default 1.0; img2img 0.8; inpainting 0.5, SDXL 1.0: diffusers')")
-    control.add_argument("--control-guidance-start", metavar="F", type=float, nargs="+", default=[0.0],
-                   help="share of the steps before a ControlNet starts acting: one, or one per --controlnet")
-    control.add_argument("--control-guidance-end", metavar="F", type=float, nargs="+", default=[1.0],
-                   help="share of the steps after which a ControlNet stops acting: one, or one per --controlnet")
-    control.add_argument("--guess-mode", action="store_true",
-                   help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
-                        "blocks and, with guidance, on the text branch only")
-    adapter.add_argument("--t2i-adapter", metavar="MODEL", action="append", default=[],
-                   help="a T2I-Adapter (diffusers folder, hub id, e.g. TencentARC/t2iadapter_sketch_sd14v1, or an original "
-                        "t2iadapter_*.pth file) to guide the model with; repeatable, each with its --t2i-adapter-image")
-    adapter.add_argument("--t2i-adapter-image", metavar="FILE", action="append", default=[],
-                   help="the map a --t2i-adapter reads (sketch, depth, pose, ...), in the same order; resized to the "
-                        "generation size")
-    adapter.add_argument("--t2i-adapter-scale", metavar="S", type=float, nargs="+",
-                   help="weight of each adapter's features: one, or one per --t2i-adapter (default 1.0)")
-    adapter.add_argument("--t2i-adapter-factor", metavar="F", type=float, default=1.0,
-                   help="share of the steps, from the first, that the T2I-Adapters act in (default 1.0)")
-    ip.add_argument("--ip-adapter", metavar="FILE",
-                   help="an IP-Adapter .safetensors file (plain or plus, e.g. h94/IP-Adapter's "
-                        "models/ip-adapter_sd15.safetensors) that lets --ip-adapter-image prompt the model")
-    ip.add_argument("--ip-adapter-image", metavar="FILE", help="the image prompt an --ip-adapter reads")
-    ip.add_argument("--ip-adapter-scale", metavar="S", type=_ip_scale, default=1.0,
-                   help="weight of the image prompt in every cross-attention (default 1.0; 0 ignores it), or per block "
-                        "as JSON, diffusers' set_ip_adapter_scale dict, e.g. '{\"up\": {\"block_0\": [0.0, 1.0, 0.0]}}' "
-                        "(InstantStyle: the style block only; parts and blocks left out get 0)")
-    ip.add_argument("--ip-adapter-image-encoder", metavar="FOLDER",
-                   help="the adapter's CLIP image encoder (a transformers CLIPVisionModelWithProjection folder; "
-                        "default: image_encoder beside the --ip-adapter file, as h94/IP-Adapter lays them out)")
-    image.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
-    sampling.add_argument("--height", type=int, help="pixels (default: the model's training size, or the image's)")
-    sampling.add_argument("--width", type=int, help="pixels (default: the model's training size, or the image's)")
-    sampling.add_argument("--num-images", type=int, default=1, help="images per prompt")
-    device.add_argument("--batch-size", type=int, help="images per compiled call (default: as many as fit in free memory)")
-    sampling.add_argument("--seed", type=int, default=0,
-                          help="image j's noise is fold_in(PRNGKey(seed), j): the same image at any batch size")
-    sampling_cli.add_flags(sampling)  # --scheduler, --timestep-spacing, --eta
-    device.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the text encoders' and the UNet's")
-    device.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
+    g.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix")
+
+
+def _sdxl_flags(g) -> None:
+    g.add_argument("--refiner", help="SDXL refiner model, run after the base (ensemble of experts)")
+    g.add_argument("--high-noise-frac", type=float, default=0.8, help="where the base hands over to the refiner")
+    g.add_argument("--original-size", type=_size, help="SDXL micro-conditioning, HxW")
+    g.add_argument("--target-size", type=_size, help="SDXL micro-conditioning, HxW")
+    g.add_argument("--crops-top-left", type=_size, default=(0, 0), help="SDXL micro-conditioning, TOPxLEFT")
+    g.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
+    g.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
+
+
+def _device_flags(g) -> None:
+    from sdx.attention import BACKENDS
+
+    g.add_argument("--batch-size", type=int, help="images per compiled call (default: as many as fit in free memory)")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the text encoders' and the UNet's")
+    g.add_argument("--vae-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the VAE's (bfloat16: diffusers' choice in a bfloat16 pipeline; half the VAE's weights)")
-    device.add_argument("--vae-tiling", action="store_true",
+    g.add_argument("--vae-tiling", action="store_true",
                    help="decode (and encode) images larger than the VAE's tile, its sample_size (SD 1.5: 512 px, SDXL: "
                         "1024), in overlapping tiles blended together, as diffusers' vae.enable_tiling(): the VAE's "
                         "working memory is one tile's at any image size")
-    output.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
-    output.add_argument("--grid", metavar="FILE.png",
-                   help="also write all images as one grid PNG (a row per prompt with --num-images, else about square, "
-                        "wider than tall)")
-    output.add_argument("--overwrite", action="store_true", help="replace existing files")
-    sdxl.add_argument("--refiner", help="SDXL refiner model, run after the base (ensemble of experts)")
-    sdxl.add_argument("--high-noise-frac", type=float, default=0.8, help="where the base hands over to the refiner")
-    sampling.add_argument("--latents", help="initial noise, .npy (images, channels, height/f, width/f) float32 as diffusers' latents=")
-    prompts.add_argument("--long-prompt", choices=("truncate", "chunk"), default="truncate",
-                   help="prompts over 77 tokens: cut (diffusers) or encode in 75-token chunks")
-    prompts.add_argument("--clip-skip", type=int, help="use the text encoder output this many layers earlier")
-    sampling_cli.add_prompt_flags(prompts)  # --prompt-syntax
-    sdxl.add_argument("--original-size", type=_size, help="SDXL micro-conditioning, HxW")
-    sdxl.add_argument("--target-size", type=_size, help="SDXL micro-conditioning, HxW")
-    sdxl.add_argument("--crops-top-left", type=_size, default=(0, 0), help="SDXL micro-conditioning, TOPxLEFT")
-    sdxl.add_argument("--aesthetic-score", type=float, default=6.0, help="SDXL refiner")
-    sdxl.add_argument("--negative-aesthetic-score", type=float, default=2.5, help="SDXL refiner")
-    device.add_argument("--attention", choices=BACKENDS,
+    g.add_argument("--attention", choices=BACKENDS,
                    help="attention backend (default: chunked on a CPU, where it is faster from 1,024 tokens on; cudnn "
                         "in bfloat16 on an NVIDIA GPU from Ampere on; xla elsewhere)")
-    device.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
-    output.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
-    output.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")
-    output.add_argument("--quiet", action="store_true", help="no progress bar")
-    research_cli.add_flags(p.add_argument_group("research methods"))  # FreeU, PAG, SAG
-    return p
+    g.add_argument("--fsdp", type=int, default=1, help="devices that share each parameter (default: replicate)")
+
+
+def _output_flags(g) -> None:
+    g.add_argument("--output", default="outputs", help="a .png file, or a folder for several images")
+    g.add_argument("--grid", metavar="FILE.png",
+                   help="also write all images as one grid PNG (a row per prompt with --num-images, else about square, "
+                        "wider than tall)")
+    g.add_argument("--overwrite", action="store_true", help="replace existing files")
+    g.add_argument("--cache", help="where converted models and compiled programs are kept (default ~/.cache/sdx)")
+    g.add_argument("--no-compilation-cache", action="store_true", help="do not keep compiled programs across runs")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+GROUPS = (("the model", _model_flags), ("prompts", _prompts_flags), ("sampling", _sampling_flags), ("img2img, inpainting and editing", _image_flags), ("SDXL: the refiner and micro-conditioning", _sdxl_flags), ("precision, memory and devices", _device_flags), ("output and cache", _output_flags))
 
 
 def read_image(path: str) -> PIL.Image.Image:
@@ -249,100 +224,9 @@ def output_paths(output: str, count: int, seed: int, overwrite: bool) -> list[Pa
     return paths
 
 
-def read_picture(path: str, flag: str) -> PIL.Image.Image:
-    """The picture at `path`, or an SdxError naming `flag`."""
-    try:
-        return images.decode(path)
-    except images.UnreadableImage as e:
-        raise SdxError(f"{flag} {path}: cannot read the image ({e})") from None
-
-
-def per_model(values: list[float] | None, n: int, flag: str, models: str = "--controlnet") -> list[float] | None:
-    """A flag's values given once or once per model of the `models` flag, as one per model (None stays None)."""
-    if values is None or len(values) == n:
-        return values
-    if len(values) == 1:
-        return values * n
-    raise SdxError(f"{flag}: give one value or one per {models} ({n}), not {len(values)}")
-
-
-def check_control_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
-    """Refuse bad ControlNet flags; returns the --control-image pictures, as read here."""
-    n = len(args.controlnet)
-    if len(args.control_image) != n:
-        raise SdxError(f"give one --control-image per --controlnet ({n}), not {len(args.control_image)}")
-    if not n:
-        if args.guess_mode or args.controlnet_conditioning_scale:
-            raise SdxError("--guess-mode and --controlnet-conditioning-scale act on ControlNets: pass --controlnet")
-        return []
-    if args.refiner:
-        raise SdxError("--controlnet and --refiner do not go together: a ControlNet guides one model")
-    from pipelines.control import check_window
-
-    starts = per_model(args.control_guidance_start, n, "--control-guidance-start")
-    ends = per_model(args.control_guidance_end, n, "--control-guidance-end")
-    per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale")
-    for start, end in zip(starts, ends):
-        check_window(start, end)
-    return [read_picture(path, "--control-image") for path in args.control_image]
-
-
-def check_t2i_adapter_flags(args: argparse.Namespace) -> list[PIL.Image.Image]:
-    """Refuse bad T2I-Adapter flags (and a local adapter whose architecture cannot be read); returns the
-    --t2i-adapter-image pictures, as read here."""
-    n = len(args.t2i_adapter)
-    if len(args.t2i_adapter_image) != n:
-        raise SdxError(f"give one --t2i-adapter-image per --t2i-adapter ({n}), not {len(args.t2i_adapter_image)}")
-    if not n:
-        if args.t2i_adapter_scale or args.t2i_adapter_factor != 1.0:
-            raise SdxError("--t2i-adapter-scale and --t2i-adapter-factor act on T2I-Adapters: pass --t2i-adapter")
-        return []
-    if args.refiner:
-        raise SdxError("--t2i-adapter and --refiner do not go together: an adapter guides one model")
-    if not 0.0 <= args.t2i_adapter_factor <= 1.0:
-        raise SdxError(f"--t2i-adapter-factor {args.t2i_adapter_factor}: the share of the steps the adapters act in, "
-                       "from 0 to 1")
-    for scale in per_model(args.t2i_adapter_scale, n, "--t2i-adapter-scale", "--t2i-adapter") or []:
-        if not math.isfinite(scale):
-            raise SdxError(f"--t2i-adapter-scale {scale} must be a finite number")
-    from convert.t2i_adapter import local_config
-
-    for spec in args.t2i_adapter:
-        if Path(spec).exists():
-            local_config(Path(spec), f"--t2i-adapter {spec}")
-    return [read_picture(path, "--t2i-adapter-image") for path in args.t2i_adapter_image]
-
-
-def check_ip_adapter_flags(args: argparse.Namespace) -> PIL.Image.Image | None:
-    """Refuse bad IP-Adapter flags; returns the --ip-adapter-image picture, as read here."""
-    if not args.ip_adapter:
-        if args.ip_adapter_image or args.ip_adapter_image_encoder:
-            raise SdxError("--ip-adapter-image and --ip-adapter-image-encoder go with an IP-Adapter: pass --ip-adapter")
-        return None
-    if not args.ip_adapter_image:
-        raise SdxError("--ip-adapter: give the image it reads, --ip-adapter-image")
-    if args.refiner:
-        raise SdxError("--ip-adapter and --refiner do not go together: an IP-Adapter is made for one UNet")
-    if not isinstance(args.ip_adapter_scale, dict) and not math.isfinite(args.ip_adapter_scale):
-        raise SdxError(f"--ip-adapter-scale {args.ip_adapter_scale} must be a finite number")
-    from convert.hub import split_hub_path
-    from convert.sources import looks_local
-    from sdx.ip_adapter import config_of, read_file
-
-    spec = args.ip_adapter
-    on_hub = not Path(spec).exists() and not looks_local(spec) and (split_hub_path(spec) or ("", None))[1] is not None
-    if not on_hub:
-        config_of(read_file(spec), f"--ip-adapter {spec}")  # a missing, pickled or foreign file fails here, unloaded
-    try:
-        return images.decode(args.ip_adapter_image)
-    except images.UnreadableImage as e:
-        raise SdxError(f"--ip-adapter-image {args.ip_adapter_image}: cannot read the image ({e})") from None
-
-
 def check_flags(args: argparse.Namespace) -> tuple:
     """Refuse bad values of the flags that say what to generate; returns the --latents array, the --image
-    and --mask pictures, the --control-image and --t2i-adapter-image pictures and the --ip-adapter-image picture,
-    as read here."""
+    and --mask pictures and {method title: what its check read}, as read here."""
     from pipelines.masks import read_mask
 
     for flag in ("steps", "num_images", "batch_size", "height", "width", "fsdp"):
@@ -355,6 +239,19 @@ def check_flags(args: argparse.Namespace) -> tuple:
         raise SdxError(f"--high-noise-frac {args.high_noise_frac} must be strictly between 0 and 1")
     if args.clip_skip is not None and args.clip_skip < 0:
         raise SdxError(f"--clip-skip {args.clip_skip} must be >= 0")
+    _check_image_flags(args)
+    picture = read_image(args.image) if args.image else None
+    mask = read_mask(args.mask) if args.mask else None
+    if args.padding_mask_crop is not None and not np.asarray(mask.convert("L")).any():
+        raise SdxError(f"--padding-mask-crop: the mask {args.mask} is black everywhere (nothing to repaint)")
+    if args.config and not Path(args.config).is_dir():
+        raise SdxError(f"--config {args.config}: not a folder")
+    latents = load_latents(args.latents) if args.latents else None
+    sampling_cli.check(args)
+    return latents, picture, mask, {method.title: method.check(args) for method in METHODS}
+
+
+def _check_image_flags(args: argparse.Namespace) -> None:
     if args.mask_blur < 0:
         raise SdxError(f"--mask-blur {args.mask_blur} must be >= 0 (a blur radius in pixels)")
     if args.mask and not args.image:
@@ -365,22 +262,13 @@ def check_flags(args: argparse.Namespace) -> tuple:
         raise SdxError("--apply-overlay pastes the part of --image that --mask keeps back over the result: pass --mask")
     if args.padding_mask_crop is not None and (not args.mask or args.padding_mask_crop < 0):
         raise SdxError(f"--padding-mask-crop {args.padding_mask_crop}: a number of pixels >= 0, with --mask")
-    picture = read_image(args.image) if args.image else None
-    mask = read_mask(args.mask) if args.mask else None
-    if args.padding_mask_crop is not None and not np.asarray(mask.convert("L")).any():
-        raise SdxError(f"--padding-mask-crop: the mask {args.mask} is black everywhere (nothing to repaint)")
-    if args.config and not Path(args.config).is_dir():
-        raise SdxError(f"--config {args.config}: not a folder")
-    latents = load_latents(args.latents) if args.latents else None
-    research_cli.check(args)
-    sampling_cli.check(args)
-    return latents, picture, mask, check_control_flags(args), check_t2i_adapter_flags(args), check_ip_adapter_flags(args)
 
 
 @dataclasses.dataclass
 class Job:
-    """One generation: the flags with its own settings applied, where its images go, what the checks read.
-    done: every image is already written (a --prompts-file run started again)."""
+    """One generation: the flags with its own settings applied, where its images go, what the checks read
+    (`read`: each method's, by its title; None for a prompts-file line, whose pictures are read when its turn
+    comes). done: every image is already written (a --prompts-file run started again)."""
 
     args: argparse.Namespace
     paths: list[Path]
@@ -388,9 +276,7 @@ class Job:
     latents: np.ndarray | None = None
     picture: PIL.Image.Image | None = None
     mask: PIL.Image.Image | None = None
-    controls: list[PIL.Image.Image] = dataclasses.field(default_factory=list)
-    adapters: list[PIL.Image.Image] = dataclasses.field(default_factory=list)
-    ip_picture: PIL.Image.Image | None = None
+    read: dict[str, Any] | None = None
     done: bool = False
 
 
@@ -403,13 +289,13 @@ def check_args(args: argparse.Namespace) -> list[Job]:
         return _prompts_file_jobs(args)
     if not args.prompt:
         raise SdxError("give --prompt (one or more prompts) or --prompts-file FILE")
-    latents, picture, mask, controls, adapters, ip_picture = check_flags(args)
+    latents, picture, mask, read = check_flags(args)
     paths = output_paths(args.output, len(args.prompt) * args.num_images, args.seed, args.overwrite)
     grid_path = output_paths(args.grid, 1, args.seed, args.overwrite)[0] if args.grid else None
     io.check_writable(paths[0].parent, "--output")
     if grid_path is not None:
         io.check_writable(grid_path.parent, "--grid")
-    return [Job(args, paths, grid_path, latents, picture, mask, controls, adapters, ip_picture)]
+    return [Job(args, paths, grid_path, latents, picture, mask, read)]
 
 
 def _prompts_file_jobs(args: argparse.Namespace) -> list[Job]:
@@ -541,20 +427,15 @@ def _log(msg: str) -> None:
 
 def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=None) -> list:
     """[the pipeline] or [the SDXL base, the refiner]; first: `Pipeline.load`'s."""
-    from convert.sources import ModelOptions, resolve_ip_adapter
+    from convert.sources import ModelOptions
     from pipelines.pipeline import Pipeline
     from sdx.attention import default_backend
 
     attention = args.attention or default_backend(args.dtype)
     load = lambda folder, name, **kw: Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, scheduler=args.scheduler,
                                                     attention=attention, mesh=mesh, name=name, **kw)
-    ip_adapter = encoder = None
-    if args.ip_adapter:
-        ip_adapter, encoder = resolve_ip_adapter(args.ip_adapter, args.ip_adapter_image_encoder, cache_dir=cache / "models",
-                                                 log=log)
-    pipe = load(folder, args.model, controlnets=tuple(args.controlnet), t2i_adapters=tuple(args.t2i_adapter),
-                ip_adapter=ip_adapter, image_encoder=encoder, cache=cache, log=log, first=first)
-    pipe = sampling_cli.configured(args, pipe)
+    models = {key: value for method in METHODS for key, value in method.load(args, cache, log).items()}
+    pipe = sampling_cli.configured(args, load(folder, args.model, cache=cache, log=log, first=first, **models))
     if not args.refiner:
         return [pipe]
     if not pipe.family.xl or pipe.family.pix2pix:
@@ -566,71 +447,49 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=
 def _request(job: Job, pipe):
     """The job's `Request`, checked against the model, and its `pipelines.masks.Crop` with
     --padding-mask-crop, else None (--image and --mask are read again for a prompts-file line)."""
-    from pipelines import image_prompt
     from pipelines.masks import Crop, fit_mask, read_mask
     from pipelines.request import Request
-    from pipelines.t2i_adapter import AdapterImage, fit_image as fit_adapter_image
 
     a = job.args
     picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
     mask_picture = job.mask if job.mask is not None or not a.mask else read_mask(a.mask)
-    control_pictures = job.controls or [read_picture(path, "--control-image") for path in a.control_image]
-    adapter_pictures = job.adapters or [read_picture(path, "--t2i-adapter-image") for path in a.t2i_adapter_image]
-    ip_picture = job.ip_picture if job.ip_picture is not None or not a.ip_adapter_image else check_ip_adapter_flags(a)
+    read = job.read if job.read is not None else {method.title: method.check(a) for method in METHODS}
     size = (a.height, a.width) if a.height and a.width else None
     blur, crop = a.mask_blur, None
     if a.padding_mask_crop is not None:  # the crop around the mask, at the asked or the model's size
         size = (a.height or pipe.default_size, a.width or pipe.default_size)
         crop = Crop.around(picture, mask_picture, blur, size, a.padding_mask_crop)
         picture, mask_picture, blur = crop.cut(picture, size), crop.cut(crop.mask, size), 0.0
-        control_pictures = [crop.cut(p, size) for p in control_pictures]
-        adapter_pictures = [crop.cut(p, size) for p in adapter_pictures]
     image = fit_image(picture, a.image, size, pipe.multiple) if picture is not None else None
     mask = fit_mask(mask_picture, image.shape[1:3], blur) if mask_picture is not None else None
-    if image is not None:
-        height, width = image.shape[1:3]
-    else:  # text-to-image: the flags, else the first control or adapter image's size (as diffusers), else the model's
-        first = (control_pictures or adapter_pictures or [None])[0]
-        step = max([pipe.multiple, *(adapter.config.downscale_factor for adapter in pipe.t2i_adapters)])
-        height = a.height or (first.height // step * step if first else pipe.default_size)
-        width = a.width or (first.width // step * step if first else pipe.default_size)
-    controls = _controls(a, pipe, control_pictures, (height, width), image is not None, mask is not None)
-    scales = per_model(a.t2i_adapter_scale, len(adapter_pictures), "--t2i-adapter-scale", "--t2i-adapter")
-    adapters = [AdapterImage(fit_adapter_image(p, (height, width), adapter.config.in_channels), scale)
-                for p, adapter, scale in zip(adapter_pictures, pipe.t2i_adapters, scales or [1.0] * len(adapter_pictures))]
+    size = image.shape[1:3] if image is not None else _text_to_image_size(a, pipe, read)
+    at = Context(pipe, tuple(size), image is not None, mask is not None, crop)
+    fields = {"conditioning": [], "interventions": []}
+    for method in METHODS:
+        for key, value in method.request(a, read[method.title], at).items():
+            fields[key] = fields[key] + value if key in ("conditioning", "interventions") else value
     request = pipe.complete(Request(  # what the flags leave open: the model's defaults, as Pipeline.complete says
         prompts=a.prompt, prompts_2=a.prompt_2, negative_prompts=a.negative_prompt,
-        negative_prompts_2=a.negative_prompt_2, height=height, width=width, steps=a.steps,
+        negative_prompts_2=a.negative_prompt_2, height=size[0], width=size[1], steps=a.steps,
         num_images_per_prompt=a.num_images, batch_size=a.batch_size, seed=a.seed,
         guidance_scale=a.guidance_scale, image_guidance_scale=a.image_guidance_scale,
-        guidance_rescale=a.guidance_rescale, strength=a.strength,
-        image=image, mask=mask, latents=job.latents,
+        guidance_rescale=a.guidance_rescale, strength=a.strength, image=image, mask=mask, latents=job.latents,
         original_size=a.original_size, target_size=a.target_size, crops_coords_top_left=a.crops_top_left,
         aesthetic_score=a.aesthetic_score, negative_aesthetic_score=a.negative_aesthetic_score,
-        clip_skip=a.clip_skip, long_prompt=a.long_prompt, prompt_syntax=a.prompt_syntax, controls=controls, guess_mode=a.guess_mode,
-        vae_tiling=a.vae_tiling, adapters=adapters, adapter_factor=a.t2i_adapter_factor, image_prompt=None if ip_picture is None else
-        image_prompt.ImagePrompt(image_prompt.prepare([ip_picture], pipe.image_encoder), a.ip_adapter_scale),
-        **research_cli.request_fields(a),
+        clip_skip=a.clip_skip, long_prompt=a.long_prompt, prompt_syntax=a.prompt_syntax, vae_tiling=a.vae_tiling,
+        **fields,
     ))
     pipe.validate(request)
     return request, crop
 
 
-def _controls(a: argparse.Namespace, pipe, pictures: list, size: tuple[int, int], image: bool, mask: bool) -> list:
-    """The request's `Control`s: each --control-image at the generation size, its scale (diffusers' default
-    for the pipeline: 1.0, img2img 0.8, inpainting 0.5 (SDXL 1.0)) and guidance window."""
-    from pipelines.control import Control, fit_control_image
-
-    n = len(pictures)
-    if not n:
-        return []
-    default = (1.0 if pipe.family.xl else 0.5) if mask else 0.8 if image else 1.0
-    scales = per_model(a.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale") or [default] * n
-    starts = per_model(a.control_guidance_start, n, "--control-guidance-start")
-    ends = per_model(a.control_guidance_end, n, "--control-guidance-end")
-    channels = [net.config.conditioning_channels for net in pipe.controlnets]
-    return [Control(fit_control_image(p, size, c), scale, start, end)
-            for p, c, scale, start, end in zip(pictures, channels, scales, starts, ends)]
+def _text_to_image_size(a: argparse.Namespace, pipe, read: dict) -> tuple[int, int]:
+    """Text-to-image's size: the flags, else the first control or adapter picture's (as diffusers), rounded
+    down to what the model and its adapters take, else the model's."""
+    first = next((p for method in METHODS for p in method.pictures(read[method.title])), None)
+    step = max([pipe.multiple, *(adapter.config.downscale_factor for adapter in pipe.conditioning_models("t2i_adapter"))])
+    return (a.height or (first.height // step * step if first else pipe.default_size),
+            a.width or (first.width // step * step if first else pipe.default_size))
 
 
 def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
@@ -669,35 +528,25 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
         params = {
             "prompt": request.prompts[prompt_index],
             "negative_prompt": negatives[prompt_index] if negatives else None,
-            "seed": a.seed, "image_index": i, "steps": a.steps, "scheduler": scheduler_name,
+            "seed": a.seed + i, "image_index": i, "steps": a.steps, "scheduler": scheduler_name,
             "guidance_scale": request.guidance_scale, "guidance_rescale": request.guidance_rescale,
             "size": f"{pixels.shape[2]}x{pixels.shape[1]}", "model": a.model, "dtype": a.dtype,
             "vae_dtype": a.vae_dtype,
         }
         if a.vae_tiling:
             params["vae_tiling"] = True
-        for key in ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "apply_overlay", "refiner", "latents",
-                    "clip_skip",
-                    "lora", "vae", "embedding", "controlnet", "control_image", "guess_mode", "padding_mask_crop", "t2i_adapter",
-                    "t2i_adapter_image", "ip_adapter", "ip_adapter_image"):
-            if getattr(a, key, None):
-                params[key] = getattr(a, key)
+        params |= {key: getattr(a, key) for key in RECORDED if getattr(a, key, None)}
         if a.image and pipe.family.pix2pix:
             params["image_guidance_scale"] = request.image_guidance_scale
         elif a.image:
             params["strength"] = request.strength
-        if request.controls:
-            params["controlnet_conditioning_scale"] = [c.scale for c in request.controls]
-        if request.adapters:
-            params["t2i_adapter_scale"] = [adapter.scale for adapter in request.adapters]
-            params["t2i_adapter_factor"] = request.adapter_factor
-        if request.image_prompt is not None:
-            params["ip_adapter_scale"] = request.image_prompt.scale
-        params.update(research_cli.png_params(a))
+        for method in METHODS:
+            params |= method.png(a, request)
         save_png(path, pixels[i], params)
         log(f"wrote {path}")
         written.append(path)
-    written += research_cli.write_readouts(a, pipe, request, generated, pixels, job.paths, log)
+    for method in METHODS:
+        written += method.write(a, pipe, request, generated, pixels, job.paths, log)
     if bad is not None:
         raise bad
     if job.grid is not None:

@@ -4,8 +4,9 @@
 
 Each ControlNet (`sdx.controlnet.ControlNetModel`) reads the latents the UNet reads (scaled by the
 scheduler, without an inpainting model's mask channels), the timestep, the text conditioning and its own
-control image, and its residuals are added to the UNet's skip connections and mid block; several
-ControlNets' residuals are summed (diffusers' MultiControlNetModel).
+control image, and its residuals are added to the UNet's skip connections and mid block (`sdx.residuals`);
+several ControlNets' residuals add up (diffusers' MultiControlNetModel). `Control` is a ControlNet's request part,
+`ControlNetPlugin` its program part (`pipelines.plugin`), `Flags` its command-line part (`pipelines.method`).
 
 - The control image is the user's map (edges, depth, pose, ...): resized to the generation size with
   Lanczos when it differs, RGB, in [0, 1] (diffusers' control_image_processor: no normalisation).
@@ -21,15 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines.guidance import Conditioning
+from pipelines.method import Method, per_model, pictures_per_model
+from pipelines.plugin import Batch, Input, ModelCall, Plugin, Ready
+from sdx import residuals
 from sdx.controlnet import ControlNetModel
 from sdx.errors import SdxError
+from sdx.interventions import Interventions
 from sdx.layers import TextContext
 from sdx.unet import UNetConfig
 
@@ -38,15 +42,89 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass(frozen=True)
-class Control:
+class Control(Input):
     """One ControlNet's part of a request: image (N, H, W, C) float32 in [0, 1] at the generation size,
     N = 1 or one per prompt; scale: diffusers' controlnet_conditioning_scale; start/end: its
-    control_guidance_start/_end, the share of the calls it acts in."""
+    control_guidance_start/_end, the share of the calls it acts in; guess_mode: diffusers' (see the module
+    docstring; a pipeline whose first ControlNet pools its residuals turns it on for all, as diffusers)."""
 
     image: np.ndarray
     scale: float = 1.0
     start: float = 0.0
     end: float = 1.0
+    guess_mode: bool = False
+    kind: ClassVar[str] = "controlnet"
+    flag: ClassVar[str] = "--controlnet"
+    image_flag: ClassVar[str] = "--control-image"
+
+    def size(self) -> tuple[int, int]:
+        return tuple(self.image.shape[1:3])
+
+    def check(self, r, pipe, model: str) -> None:
+        refuse_edits(r, pipe.family, "--controlnet: ControlNets", "a ControlNet")
+        check_window(self.start, self.end)
+        if (self.image.ndim != 4 or self.image.shape[0] not in (1, len(r.prompts))
+                or self.image.shape[1:3] != (r.height, r.width)):
+            raise SdxError(f"the control image's shape {self.image.shape} does not fit {len(r.prompts)} prompt(s) at "
+                           f"{r.height}x{r.width}")
+        if not np.isfinite(self.scale):
+            raise SdxError(f"--controlnet-conditioning-scale {self.scale} must be a finite number")
+
+    def plugin(self, batch: Batch, model: str, pipe) -> ControlNetPlugin:
+        guess = self.guess_mode or pipe.sampler.models[pipe.conditioners["controlnet"][0]].config.global_pool_conditions
+        scales = scales_per_call([self], batch.calls, batch.begin, batch.end)  # (1, calls that run)
+        return ControlNetPlugin(model, guess, batch.take(self.image).astype(np.float32),
+                                np.repeat(scales, batch.rows, axis=0))
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlNetPlugin(Plugin):
+    """A ControlNet in the sampler: model, its name in the sampler; guess_mode (static); image (B, H, W, C) in
+    [0, 1] and scales (B, calls), its scale at each model call that runs (traced). Prepare projects the UNet
+    batch's text for its attentions once; each model call adds its residuals to the UNet's skip connections and
+    mid block."""
+
+    model: str
+    guess_mode: bool
+    image: jax.Array
+    scales: jax.Array
+    traced: ClassVar[tuple[str, ...]] = ("image", "scales")
+
+    def prepare(self, models, ready: Ready) -> TextContext:
+        # guess mode runs the ControlNet on the text rows alone, which are never blank
+        return models[self.model].text_context(ready.cond.context, None if self.guess_mode else ready.blank)
+
+    def contribute(self, models, text: TextContext, call: ModelCall) -> Interventions:
+        """The ControlNet's residuals for the UNet batch (B * branches rows, image-major, the text branch last,
+        `pipelines.guidance`), read from the rows that share their input once (`ModelCall.shared`); in guess mode
+        with guidance, from the text branch's rows alone, the other branches' residuals zeros."""
+        n, cond, scale = call.branches, call.cond, self.scales[:, call.index]  # scale: (B,)
+        text_only = self.guess_mode and n > 1
+        if text_only:  # the text branch's rows; the others get zeros below
+            pick = lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:])[:, -1]  # (B*n, ...) -> (B, ...)
+            cond, text = jax.tree.map(pick, (cond, text))
+            x, rows = call.latents, lambda a: a
+        else:
+            rows = lambda a: jnp.repeat(a, n // call.shared, axis=0)  # (B*n/shared, ...)
+            x = rows(call.latents)
+        t = jnp.broadcast_to(call.timestep, (x.shape[0],))
+        scale = scale if text_only else jnp.repeat(scale, n)  # one per context row
+        down, mid = models[self.model](x, t, text, rows(self.image), scale, call.added(cond), self.guess_mode)
+        if text_only:
+            def pad(r):  # (B, ...) -> (B * n, ...), zeros in the other branches' rows
+                stacked = jnp.stack([jnp.zeros_like(r)] * (n - 1) + [r], axis=1)  # (B, n, ...)
+                return stacked.reshape(r.shape[0] * n, *r.shape[1:])
+            down, mid = jax.tree.map(pad, (down, mid))
+        return residuals.controlnet(call.unet, down, mid)
+
+
+def refuse_edits(r, family, what: str, one: str) -> None:
+    """Refuse a conditioning method (`what`: its flag and name, `one`: "a ControlNet") on an InstructPix2Pix model
+    or on a run that continues given latents (the refiner)."""
+    if family.pix2pix:
+        raise SdxError(f"{what} guide text-to-image, img2img and inpainting models, not InstructPix2Pix")
+    if r.init_latents is not None or r.denoising_start is not None:
+        raise SdxError(f"{what.split(':')[0]} does not continue given latents (no --refiner): {one} guides one model")
 
 
 def fit_control_image(picture: PIL.Image.Image, size: tuple[int, int], channels: int) -> np.ndarray:
@@ -95,44 +173,72 @@ def check_compatible(net: ControlNetModel, unet: UNetConfig, factor: int, where:
                        "ControlNet goes with SD 1.x models, an SDXL one with SDXL)")
 
 
-def residuals(
-    nets: Sequence[ControlNetModel],
-    images: Sequence[jax.Array],
-    scales: jax.Array,
-    latents: jax.Array,
-    timestep: jax.Array,
-    cond: Conditioning,
-    texts: Sequence[TextContext],
-    branches: int,
-    shared: int,
-    guess_mode: bool,
-    xl: bool,
-) -> tuple[tuple[jax.Array, ...], jax.Array]:
-    """The summed residuals of `nets` for the UNet batch.
+class Flags(Method):
+    """`python -m sdx.sample`'s ControlNet flags."""
 
-    images: per ControlNet (B, H, W, C) in [0, 1]; scales: (nets,) this call's scales; latents (B, h, w, C)
-    scaled for the model (no extra channels); timestep (); cond: the UNet batch's conditioning (B * branches
-    rows, image-major, the text branch last, see `pipelines.guidance`); texts: per ControlNet, its
-    `text_context` of `cond.context`; shared: how many consecutive rows share their input (`Guidance.shared`),
-    which the ControlNets then read once. -> residuals for B * branches rows.
-    """
-    text_only = guess_mode and branches > 1
-    if text_only:  # the text branch's rows; the others get zeros below
-        pick = lambda a: a.reshape(a.shape[0] // branches, branches, *a.shape[1:])[:, -1]  # (B*n, ...) -> (B, ...)
-        cond, texts = jax.tree.map(pick, (cond, tuple(texts)))
-        x, rows = latents, lambda a: a
-    else:
-        rows = lambda a: jnp.repeat(a, branches // shared, axis=0)  # (B*n/shared, ...)
-        x = rows(latents)
-    added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if xl else None
-    t = jnp.broadcast_to(timestep, (x.shape[0],))
-    total = None
-    for k, net in enumerate(nets):
-        out = net(x, t, texts[k], rows(images[k]), scales[k], added, guess_mode)
-        total = out if total is None else jax.tree.map(jnp.add, total, out)
-    if text_only:
-        def pad(r):  # (B, ...) -> (B * n, ...), zeros in the other branches' rows
-            stacked = jnp.stack([jnp.zeros_like(r)] * (branches - 1) + [r], axis=1)  # (B, n, ...)
-            return stacked.reshape(r.shape[0] * branches, *r.shape[1:])
-        total = jax.tree.map(pad, total)
-    return total
+    title = "ControlNet"
+
+    def add_flags(self, g) -> None:
+        g.add_argument("--controlnet", metavar="MODEL", action="append", default=[],
+                       help="a ControlNet (diffusers or sdx folder, hub id, or original single file) to guide the model "
+                            "with; repeatable, each with its --control-image")
+        g.add_argument("--control-image", metavar="FILE", action="append", default=[],
+                       help="the map a --controlnet reads (edges, depth, pose, ... as the user made it), in the same "
+                            "order; resized to the generation size")
+        g.add_argument("--controlnet-conditioning-scale", metavar="S", type=float, nargs="+",
+                       help="one, or one per --controlnet (default 1.0; img2img 0.8; inpainting 0.5, SDXL 1.0: diffusers')")
+        g.add_argument("--control-guidance-start", metavar="F", type=float, nargs="+", default=[0.0],
+                       help="share of the steps before a ControlNet starts acting: one, or one per --controlnet")
+        g.add_argument("--control-guidance-end", metavar="F", type=float, nargs="+", default=[1.0],
+                       help="share of the steps after which a ControlNet stops acting: one, or one per --controlnet")
+        g.add_argument("--guess-mode", action="store_true",
+                       help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
+                            "blocks and, with guidance, on the text branch only")
+
+    flag = Control.flag
+
+    def check(self, args) -> list:
+        pictures = pictures_per_model(args, "controlnet", "control_image", "a ControlNet guides one model")
+        n = len(pictures)
+        if not n and (args.guess_mode or args.controlnet_conditioning_scale):
+            raise SdxError("--guess-mode and --controlnet-conditioning-scale act on ControlNets: pass --controlnet")
+        for scale in per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale", self.flag) or []:
+            if not np.isfinite(scale):
+                raise SdxError(f"--controlnet-conditioning-scale {scale} must be a finite number")
+        if n:
+            for start, end in zip(*self._windows(args, n)):
+                check_window(start, end)
+        return pictures
+
+    def _windows(self, args, n: int) -> tuple[list, list]:
+        return (per_model(args.control_guidance_start, n, "--control-guidance-start", self.flag),
+                per_model(args.control_guidance_end, n, "--control-guidance-end", self.flag))
+
+    def load(self, args, cache, log) -> dict:
+        return {"controlnets": tuple(args.controlnet)}
+
+    def pictures(self, read) -> list:
+        return read
+
+    def request(self, args, read, at) -> dict:
+        """Each --control-image at the generation size, its scale (diffusers' default for the pipeline: 1.0,
+        img2img 0.8, inpainting 0.5 (SDXL 1.0)) and guidance window."""
+        n = len(read)
+        default = (1.0 if at.pipe.family.xl else 0.5) if at.mask else 0.8 if at.image else 1.0
+        scales = per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale", self.flag) or [default] * n
+        nets = at.pipe.conditioning_models(Control.kind)
+        return {"conditioning": [
+            Control(fit_control_image(at.cut(p), at.size, net.config.conditioning_channels), scale, start, end,
+                    args.guess_mode)
+            for p, net, scale, start, end in zip(read, nets, scales, *self._windows(args, n))]}
+
+    def png(self, args, request) -> dict:
+        controls = [one for one in request.conditioning if isinstance(one, Control)]
+        if not controls:
+            return {}
+        out = {"controlnet": args.controlnet, "control_image": args.control_image,
+               "controlnet_conditioning_scale": [c.scale for c in controls]}
+        return out | ({"guess_mode": True} if args.guess_mode else {})
+
+
+FLAGS = Flags()

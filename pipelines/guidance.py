@@ -44,24 +44,27 @@ class Conditioning:
     """What the UNet is conditioned on, batch first: context (B, S, D); pooled (B, P), SDXL's pooled text
     embedding, or None; time_ids (B, N), SDXL's micro-conditioning ((B, 0) otherwise); image (B, h, w, K):
     channels concatenated to the UNet's input (InstructPix2Pix's image latents, or an inpainting model's
-    mask and masked-image latents), or None; ip_tokens (B, N, D): an IP-Adapter's image tokens
-    (`pipelines.image_prompt`), or None."""
+    mask and masked-image latents), or None."""
 
     context: jax.Array
     pooled: jax.Array | None
     time_ids: jax.Array
     image: jax.Array | None = None
-    ip_tokens: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Scales:
-    """float32 scalars, traced: guidance_scale, image_guidance_scale (InstructPix2Pix), guidance_rescale φ."""
+    """(B,) float32, one per image, traced: guidance_scale, image_guidance_scale (InstructPix2Pix), guidance_rescale
+    phi; `of` shapes one to scale each image of a (B, ...) array."""
 
     text: jax.Array
     image: jax.Array
     rescale: jax.Array
+
+    def of(self, name: str, like: jax.Array) -> jax.Array:
+        """Scale `name` as (B, 1, ...) in float32, to broadcast over `like` (B, ...)."""
+        return getattr(self, name).astype(jnp.float32).reshape(-1, *[1] * (like.ndim - 1))
 
 
 def interleave(*branches):
@@ -132,6 +135,11 @@ class Guidance(Intervention):
     def conditioning(self, text: Conditioning, negative: Conditioning | None) -> Conditioning:
         raise NotImplementedError
 
+    def by_branch(self, positive, negative):
+        """The UNet batch's rows of per-image values (arrays or pytrees of B rows): `negative`'s in the branches
+        that read the negative prompt, `positive`'s in the others -> B * branches rows, image-major."""
+        return interleave(*[negative if k in self.negative_branches else positive for k in range(self.branches)])
+
     def blank_rows(self, family: Family) -> BlankRows | None:
         """The UNet batch's rows whose text is zeros when no negative prompt is given (SDXL's
         force_zeros_for_empty_prompt), for `UNet2DConditionModel.text_context`; None where none can be."""
@@ -183,7 +191,7 @@ class ClassifierFree(Guidance):
 
     def combine(self, out, scales):
         uncond, cond = deinterleave(out, 2)
-        return rescale(uncond + scales.text * (cond - uncond), cond, scales.rescale)
+        return rescale(uncond + scales.of("text", cond) * (cond - uncond), cond, scales.of("rescale", cond))
 
 
 class Around(Guidance):
@@ -232,8 +240,8 @@ class InstructPix2Pix(Guidance):
 
     def combine(self, out, scales):
         cond, image, uncond = deinterleave(out, 3)
-        guided = uncond + scales.text * (cond - image) + scales.image * (image - uncond)
-        return rescale(guided, cond, scales.rescale)
+        guided = uncond + scales.of("text", cond) * (cond - image) + scales.of("image", cond) * (image - uncond)
+        return rescale(guided, cond, scales.of("rescale", cond))
 
 
 def choose(family: Family, guidance_scale: float, image_guidance_scale: float) -> Guidance:
@@ -267,7 +275,7 @@ def shared_rows(guider: Guidance, asked: tuple[Intervention, ...], family: Famil
 def rescale(guided: jax.Array, text: jax.Array, phi: jax.Array) -> jax.Array:
     """Lin et al. 2023 ("Common Diffusion Noise Schedules and Sample Steps are Flawed"), section 3.4:
     rescale the guided prediction to the per-sample standard deviation of the text prediction, mixed
-    by phi. Standard deviations are unbiased (as torch.std).
+    by phi (a number, or (B, 1, ...) one per sample). Standard deviations are unbiased (as torch.std).
 
     phi = 0 returns `guided` bit for bit (selected, not multiplied by 0, so a non-finite rescaled
     value cannot leak in); a sample whose guided prediction has zero spread keeps it unscaled

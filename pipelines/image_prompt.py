@@ -13,56 +13,124 @@
   negative branches both do, as diffusers' pipeline has it.
 - The scale multiplies the image attention in every cross-attention (diffusers' `set_ip_adapter_scale`; 0
   leaves the text alone), or per block (`sdx.ip_adapter.attention_scales`, InstantStyle); one per
-  cross-attention is an input of the compiled programs, so a new scale compiles nothing.
+  cross-attention and image is an input of the compiled programs, so a new scale compiles nothing.
+- Several adapters at once (diffusers' list form of `load_ip_adapter` and `ip_adapter_image`): each has its own
+  image, encoder and scale, and each adds its image attention to every cross-attention.
+
+`ImagePrompt` is an adapter's request part, `IPAdapterPlugin` its program part (`pipelines.plugin`).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipelines.method import Method, per_model, pictures_per_model
+from pipelines.plugin import PREPARE, Batch, Input, ModelCall, Plugin, Ready, model_name
 from sdx import weights
 from sdx.clip_vision import CLIPVisionModelWithProjection, image_encoder_inputs, load_image_encoder
 from sdx.errors import SdxError
-from sdx.ip_adapter import IPAdapter, Scale, attention_scales, load_ip_adapter
+from sdx.interventions import Interventions
+from sdx.ip_adapter import IPAdapter, Scale, attention_scales, cross_attentions, diffusers_scales, load_ip_adapter
 from sdx.layers import Compute
+from sdx.layers import ImagePrompt as ImagePromptProcessor
 
 if TYPE_CHECKING:
     import PIL.Image
 
-ENCODER, ADAPTER = "image_encoder", "ip_adapter"  # the two models' names in a sampler
+KIND = "ip_adapter"
+
+
+def encoder_name(k: int) -> str:
+    """The `Sampler.models` key of the k-th IP-Adapter's image encoder (the adapter's is `model_name(KIND, k)`)."""
+    return f"image_encoder_{k}"
 
 
 @dataclasses.dataclass(frozen=True)
-class ImagePrompt:
-    """The image part of a request: pixels (N, S, S, 3) float32, the encoder's input (`prepare`), N = 1 or
-    one per prompt; scale: the image attention's weight, one number or a per-block spec
-    (`sdx.ip_adapter.attention_scales`)."""
+class ImagePrompt(Input):
+    """One IP-Adapter's part of a request: pixels (N, S, S, 3) float32, its image encoder's input (`of`,
+    `prepare`), N = 1 or one per prompt; scale: the image attention's weight, one number or site patterns to
+    numbers (`sdx.ip_adapter.attention_scales`; diffusers' per-block dicts: `sdx.ip_adapter.diffusers_scales`)."""
 
     pixels: np.ndarray
     scale: Scale = 1.0
+    kind: ClassVar[str] = KIND
+    flag: ClassVar[str] = "--ip-adapter"
+    image_flag: ClassVar[str] = "--ip-adapter-image"
 
-    def per_attention(self, unet) -> np.ndarray:
-        """(cross-attentions,) float32: the scale of each of `unet`'s cross-attentions."""
-        return attention_scales(self.scale, unet)
+    @classmethod
+    def of(cls, pictures: list[PIL.Image.Image], pipe, k: int = 0, scale: Scale = 1.0) -> ImagePrompt:
+        """The image prompt of `pictures` (one, or one per prompt) for `pipe`'s k-th IP-Adapter."""
+        return cls(prepare(pictures, pipe.sampler.models[encoder_name(k)]), scale)
+
+    def check(self, r, pipe, model: str) -> None:
+        size = pipe.sampler.models[encoder_name(_index(model))].config.image_size
+        if self.pixels.ndim != 4 or self.pixels.shape[0] not in (1, len(r.prompts)) or self.pixels.shape[1:] != (size, size, 3):
+            raise SdxError(f"the --ip-adapter-image pixels' shape {self.pixels.shape} does not fit {len(r.prompts)} "
+                           f"prompt(s) read at {size}x{size} (`ImagePrompt.of` prepares them)")
+        attention_scales(self.scale, pipe.sampler.models["unet"])  # a per-block spec that does not fit fails here
+
+    def plugin(self, batch: Batch, model: str, pipe) -> IPAdapterPlugin:
+        scales = attention_scales(self.scale, pipe.sampler.models["unet"])  # (cross-attentions,)
+        return IPAdapterPlugin(model, encoder_name(_index(model)), batch.take(self.pixels).astype(np.float32),
+                               np.repeat(scales[None], batch.rows, axis=0))
 
 
-def load(adapter: str | os.PathLike, encoder: str | os.PathLike | None, unet, *, dtype: str, compute: Compute,
-         sharding: weights.Sharding = None) -> dict:
-    """{ENCODER: the image encoder, ADAPTER: the IP-Adapter} for `unet`, from the adapter's .safetensors file
-    and the image encoder's transformers folder (default: `image_encoder` beside the file, where
-    h94/IP-Adapter keeps it), parameters in `dtype`; each checked before the next is read."""
+def _index(model: str) -> int:
+    """k of the k-th IP-Adapter's model name."""
+    return int(model.rsplit("_", 1)[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class IPAdapterPlugin(Plugin):
+    """An IP-Adapter in the sampler: model and encoder, the adapter's and its image encoder's names in the sampler;
+    pixels (B, S, S, 3) and scales (B, cross-attentions) (traced). Prepare embeds the image and projects its tokens
+    for every cross-attention once; each model call attends to them there (`sdx.layers.ImagePrompt`)."""
+
+    model: str
+    encoder: str
+    pixels: jax.Array
+    scales: jax.Array
+    traced: ClassVar[tuple[str, ...]] = ("pixels", "scales")
+    reads: ClassVar[tuple[str, ...]] = (PREPARE,)
+
+    def models(self, program: str) -> tuple[str, ...]:
+        return (self.model, self.encoder) if program == PREPARE else ()
+
+    def prepare(self, models, ready: Ready) -> tuple:
+        """The image tokens' keys and values for the UNet batch's rows, for each cross-attention in
+        `sdx.ip_adapter.cross_attentions`' order (a tuple: a dict would come out of the program in its keys' order):
+        the branches that read the negative prompt read no image (diffusers' negative image embeddings)."""
+        adapter, guide = models[self.model], ready.guide
+        positive, negative = tokens(adapter, models[self.encoder], self.pixels, guide.branches > 1)
+        rows = positive if negative is None else guide.by_branch(positive, negative)  # (B * branches, N, D)
+        return tuple(adapter.keys_values(ready.unet, rows).values())
+
+    def contribute(self, models, kv: tuple, call: ModelCall) -> Interventions:
+        scales = jnp.repeat(self.scales, call.branches, axis=0)  # (B * branches, cross-attentions)
+        keys = [key for key, _ in cross_attentions(call.unet)]
+        return Interventions(attention={key: (ImagePromptProcessor(k, v, scales[:, i]),)
+                                        for i, (key, (k, v)) in enumerate(zip(keys, kv))})
+
+
+def load(adapter: str | os.PathLike, encoder: str | os.PathLike | None, unet, k: int, *, dtype: str,
+         compute: Compute, sharding: weights.Sharding = None) -> dict:
+    """{the k-th adapter's name: the IP-Adapter, `encoder_name(k)`: its image encoder} for `unet`, from the
+    adapter's .safetensors file and the image encoder's transformers folder (default: `image_encoder` beside the
+    file, where h94/IP-Adapter keeps it), parameters in `dtype`; each checked before the next is read."""
     ip = load_ip_adapter(adapter, unet, dtype=dtype, compute=compute, sharding=sharding)
     folder = Path(encoder) if encoder is not None else Path(adapter).parent / "image_encoder"
     vision = load_image_encoder(folder, dtype=dtype, compute=compute, sharding=sharding)
     check_compatible(ip, vision, f"--ip-adapter {adapter}")
-    return {ENCODER: vision, ADAPTER: ip}
+    return {model_name(KIND, k): ip, encoder_name(k): vision}
 
 
 def prepare(pictures: list[PIL.Image.Image], encoder: CLIPVisionModelWithProjection) -> np.ndarray:
@@ -95,3 +163,90 @@ def tokens(adapter: IPAdapter, encoder: CLIPVisionModelWithProjection, pixels: j
     none = jnp.zeros_like(pixels[:1])  # an all-zero image (plus) or embedding (plain), the same for every row
     none = read(encoder(none.astype(encoder.compute.dtype))) if plus else jnp.zeros((1, adapter.config.image_embed_dim))
     return positive, jnp.broadcast_to(adapter.tokens(none), positive.shape)
+
+
+def _scale(text: str) -> Scale:
+    """--ip-adapter-scale: a number, or a JSON object of per-block scales."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor a JSON object like "
+                                         '\'{"up": {"block_0": [0.0, 1.0, 0.0]}}\'')
+    return value
+
+
+class Flags(Method):
+    """`python -m sdx.sample`'s IP-Adapter flags: one --ip-adapter-image per --ip-adapter, in order."""
+
+    title = "IP-Adapter"
+    flag = ImagePrompt.flag
+
+    def add_flags(self, g) -> None:
+        g.add_argument("--ip-adapter", metavar="FILE", action="append", default=[],
+                       help="an IP-Adapter .safetensors file (plain or plus, e.g. h94/IP-Adapter's "
+                            "models/ip-adapter_sd15.safetensors) that lets --ip-adapter-image prompt the model; "
+                            "repeatable, each with its --ip-adapter-image")
+        g.add_argument("--ip-adapter-image", metavar="FILE", action="append", default=[],
+                       help="the image prompt an --ip-adapter reads, in the same order")
+        g.add_argument("--ip-adapter-scale", metavar="S", type=_scale, action="append",
+                       help="weight of the image prompt in every cross-attention (default 1.0; 0 ignores it), or per "
+                            "block as JSON, diffusers' set_ip_adapter_scale dict, e.g. '{\"up\": {\"block_0\": [0.0, "
+                            "1.0, 0.0]}}' (InstantStyle: the style block only; parts and blocks left out get 0); one, "
+                            "or one per --ip-adapter")
+        g.add_argument("--ip-adapter-image-encoder", metavar="FOLDER", action="append", default=[],
+                       help="an adapter's CLIP image encoder (a transformers CLIPVisionModelWithProjection folder; "
+                            "default: image_encoder beside the --ip-adapter file, as h94/IP-Adapter lays them out); "
+                            "none, or one per --ip-adapter")
+
+    def check(self, args) -> list:
+        """Refuse bad IP-Adapter flags (a missing, pickled or foreign local adapter file among them, unloaded)."""
+        from convert.hub import split_hub_path
+        from convert.sources import looks_local
+        from sdx.ip_adapter import config_of, read_file
+
+        pictures = pictures_per_model(args, "ip_adapter", "ip_adapter_image", "an IP-Adapter is made for one UNet")
+        n = len(pictures)
+        if not n and (args.ip_adapter_scale or args.ip_adapter_image_encoder):
+            raise SdxError("--ip-adapter-scale and --ip-adapter-image-encoder go with an IP-Adapter: pass --ip-adapter")
+        if args.ip_adapter_image_encoder and len(args.ip_adapter_image_encoder) != n:
+            raise SdxError(f"--ip-adapter-image-encoder: give none or one per --ip-adapter ({n}), not "
+                           f"{len(args.ip_adapter_image_encoder)}")
+        for scale in per_model(args.ip_adapter_scale, n, "--ip-adapter-scale", self.flag) or []:
+            if not isinstance(scale, dict) and not np.isfinite(scale):
+                raise SdxError(f"--ip-adapter-scale {scale} must be a finite number")
+        for spec in args.ip_adapter:
+            on_hub = not Path(spec).exists() and not looks_local(spec) and (split_hub_path(spec) or ("", None))[1]
+            if not on_hub:
+                config_of(read_file(spec), f"--ip-adapter {spec}")
+        return pictures
+
+    def load(self, args, cache, log) -> dict:
+        from convert.sources import resolve_ip_adapter
+
+        encoders = args.ip_adapter_image_encoder or [None] * len(args.ip_adapter)
+        found = [resolve_ip_adapter(spec, encoder, cache_dir=cache / "models", log=log)
+                 for spec, encoder in zip(args.ip_adapter, encoders)]
+        return {"ip_adapters": tuple(a for a, _ in found), "image_encoders": tuple(e for _, e in found)}
+
+    def request(self, args, read, at) -> dict:
+        """Each --ip-adapter-image's prompt at its scale (diffusers' per-block dicts as site patterns)."""
+        scales = per_model(args.ip_adapter_scale, len(read), "--ip-adapter-scale", self.flag) or [1.0] * len(read)
+        unet = at.pipe.sampler.models["unet"]
+        scales = [diffusers_scales(s, unet) if isinstance(s, dict) else s for s in scales]
+        return {"conditioning": [ImagePrompt.of([picture], at.pipe, k, scale)
+                                 for k, (picture, scale) in enumerate(zip(read, scales))]}
+
+    def png(self, args, request) -> dict:
+        if not args.ip_adapter:
+            return {}
+        return {"ip_adapter": args.ip_adapter, "ip_adapter_image": args.ip_adapter_image,
+                "ip_adapter_scale": args.ip_adapter_scale or [1.0]}
+
+
+FLAGS = Flags()

@@ -8,9 +8,10 @@ the values: diffusers' PAGIdentitySelfAttnProcessor2_0). The prediction moves aw
     with classifier-free guidance: uncond + g (text - uncond) + s_t (text - perturbed), then guidance_rescale
     without:                       text + s_t (text - perturbed)
 
-s_t = max(s - a (1000 - t), 0) at timestep t (`adaptive_scale` a; a = 0: s throughout). Layers are
-diffusers' `pag_applied_layers`: regular expressions searched in the self-attentions' module paths ("mid":
-every self-attention of the mid block; "up_blocks.1", "down_blocks.2.attentions.1"). The batch is
+s_t = max(s - a (1000 - t), 0) at timestep t (`adaptive_scale` a; a = 0: s throughout). Layers are site
+patterns (`sdx.interventions.select`: "mid_block", every self-attention of the mid block; "up_blocks.1",
+"down_blocks.2.attentions.1"); diffusers' `pag_applied_layers`, regular expressions searched in the module paths
+("mid"), are translated into them where a user gives them (`--pag-layers`, `diffusers_layers`). The batch is
 [uncond, text, perturbed] per image (image-major, `pipelines.guidance`); its rows are read by place, so the
 UNet runs all of them in full (no rows shared before the first text-reading attention).
 """
@@ -27,7 +28,7 @@ from flax import nnx
 
 from pipelines.guidance import Around, Guidance, Step, Unguided, deinterleave, interleave, rescale
 from sdx.errors import SdxError
-from sdx.interventions import AttentionCall, Interventions, Processor
+from sdx.interventions import AttentionCall, Interventions, Processor, attention_paths, select
 from sdx.layers import Rows
 
 FLAG = "--pag-layers"
@@ -48,10 +49,10 @@ class Identity(Processor):
         return self.layout.join(kept, mine.output(mine.v))  # (B * n, T, C)
 
 
-def self_attentions(unet: nnx.Module, layers: tuple[str, ...]) -> list[str]:
-    """The self-attention paths `layers` select as diffusers' `_set_pag_attn_processor` does (each a regular
-    expression searched in the path); an SdxError for a malformed one, one that matches no module of `unet`,
-    and one whose modules have no self-attention."""
+def diffusers_layers(unet: nnx.Module, layers: tuple[str, ...]) -> tuple[str, ...]:
+    """diffusers' `pag_applied_layers` as site patterns: the paths of the self-attentions they select as
+    diffusers' `_set_pag_attn_processor` does (each a regular expression searched in the path); an SdxError for a
+    malformed one, one that matches no module of `unet`, and one whose modules have no self-attention."""
     sites = unet.sites()
     selves = [path for path, kind in sites.items() if kind == "self"]
     modules = [".".join(map(str, path)) for path, m in nnx.iter_graph(unet) if isinstance(m, nnx.Module) and path]
@@ -71,15 +72,15 @@ def self_attentions(unet: nnx.Module, layers: tuple[str, ...]) -> list[str]:
             raise SdxError(f"{FLAG} {layer!r}: matches no module of this UNet (e.g. mid, up_blocks.1, "
                            f"{selves[0] if selves else 'down_blocks.0'})")
         found += [h for h in hits if h not in found]
-    return found
+    return tuple(found)
 
 
 @dataclasses.dataclass(frozen=True)
 class PerturbedAttention(Around):
-    """PAG around `inner` (`Unguided` or `ClassifierFree`; None until a request's scales choose it, `around`).
-    scale, adaptive_scale: traced."""
+    """PAG around `inner` (`Unguided` or `ClassifierFree`; None until a request's scales choose it, `around`),
+    perturbing the self-attentions the site patterns `layers` select. scale, adaptive_scale: traced."""
 
-    layers: tuple[str, ...] = ("mid",)
+    layers: tuple[str, ...] = ("mid_block",)
     scale: float = 3.0
     adaptive_scale: float = 0.0
     inner: Guidance | None = None
@@ -90,7 +91,7 @@ class PerturbedAttention(Around):
 
 
     def check(self, request, pipe) -> None:
-        if request.guess_mode:
+        if any(getattr(one, "guess_mode", False) for one in request.conditioning):
             raise SdxError("--pag-scale: Perturbed-Attention Guidance and --guess-mode do not go together in sdx (guess "
                            "mode gives the ControlNets the text branch alone, PAG's batch has two that read the text)")
 
@@ -100,7 +101,12 @@ class PerturbedAttention(Around):
 
     def install(self, unet) -> Interventions:
         processor = Identity(Rows(self.branches, (self.branches - 1,)))
-        return Interventions(attention={path: (processor,) for path in self_attentions(unet, self.layers)})
+        if not self.layers:
+            raise SdxError(f"{FLAG}: give at least one layer (e.g. mid)")
+        selves = attention_paths(unet, "self")
+        paths = dict.fromkeys(p for pattern in self.layers
+                              for p in select(selves, pattern, f"{FLAG} {pattern!r}", kind="self-attention"))
+        return Interventions(attention={path: (processor,) for path in paths})
 
     def conditioning(self, text, negative):
         inner = self.inner.conditioning(text, negative)
@@ -119,5 +125,5 @@ class PerturbedAttention(Around):
         no_rescale = dataclasses.replace(step.scales, rescale=jnp.zeros_like(step.scales.rescale))
         guided = self.inner.combine(interleave(*parts[:-1]), no_rescale)
         guided = guided + self.signal_scale(step.timestep) * (text - perturbed)
-        return guided if isinstance(self.inner, Unguided) else rescale(guided, text, step.scales.rescale)
+        return guided if isinstance(self.inner, Unguided) else rescale(guided, text, step.scales.of("rescale", text))
 

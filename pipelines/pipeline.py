@@ -5,7 +5,8 @@
 
 The pipeline type (SD, SDXL, refiner, InstructPix2Pix, inpainting) comes from the model itself;
 `controlnets` adds ControlNets that guide it (`pipelines.control`), `t2i_adapters` T2I-Adapters
-(`pipelines.t2i_adapter`), `ip_adapter` an IP-Adapter that reads an image prompt (`pipelines.image_prompt`).
+(`pipelines.t2i_adapter`), `ip_adapters` IP-Adapters that read image prompts (`pipelines.image_prompt`): the
+conditioning plug-ins' models, whose inputs a request gives in `Request.conditioning` (`pipelines.plugin`).
 `refine` runs the SDXL base up to `high_noise_frac` and hands its latents to a refiner, as diffusers'
 ensemble of expert denoisers does.
 """
@@ -23,9 +24,13 @@ import numpy as np
 from flax import nnx
 
 from pipelines import control, executables, guidance, image_prompt, t2i_adapter
+from pipelines.control import Control
 from pipelines.family import Family, family_of
+from pipelines.image_prompt import ImagePrompt
+from pipelines.plugin import Input, model_name
 from pipelines.request import Request, batches, validate
-from pipelines.sampler import Sampler, controlnet_name, working_bytes
+from pipelines.sampler import Sampler, working_bytes
+from pipelines.t2i_adapter import AdapterImage
 from sdx import mesh as meshlib
 from sdx import model_folder, schedulers, weights
 from sdx.errors import SdxError
@@ -63,8 +68,9 @@ class Pipeline:
     channels: int  # latent channels
     default_size: int  # pixels: the UNet's sample_size times the VAE factor (what the model was trained at)
     name: str  # what was loaded, for the PNG metadata
-    controlnets: tuple = ()  # sdx.controlnet.ControlNetModel, in the order requests give their `controls`
-    t2i_adapters: tuple = ()  # sdx.t2i_adapter.T2IAdapter, in the order requests give their `adapters`
+    # {kind: the sampler's models of a conditioning plug-in's kind}, in the order a request's inputs of that kind
+    # are matched to them (`INPUTS`; "controlnet": ("controlnet_0",))
+    conditioners: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
     def load(
@@ -80,8 +86,8 @@ class Pipeline:
         name: str | None = None,
         controlnets: tuple[str, ...] = (),
         t2i_adapters: tuple[str, ...] = (),
-        ip_adapter: str | None = None,
-        image_encoder: str | None = None,
+        ip_adapters: tuple[str, ...] = (),
+        image_encoders: tuple[str | None, ...] = (),
         options=None,
         cache: str | os.PathLike | None = None,
         log=None,
@@ -97,16 +103,14 @@ class Pipeline:
         (float32 by default: the SDXL VAE overflows in float16). scheduler: a `--scheduler` name, or None
         for the model's own scheduler_config.json. controlnets: ControlNets (`convert.controlnet.load_controlnet`
         sources: folders, hub ids, single files), downloaded to `cache`; t2i_adapters: T2I-Adapters
-        (`convert.t2i_adapter.load_t2i_adapter` sources: folders, hub ids), likewise. ip_adapter: an IP-Adapter
-        .safetensors file, with its CLIP image encoder's folder `image_encoder` (default: `image_encoder`
+        (`convert.t2i_adapter.load_t2i_adapter` sources: folders, hub ids), likewise. ip_adapters: IP-Adapter
+        .safetensors files, each with its CLIP image encoder's folder in `image_encoders` (default: `image_encoder`
         beside the file; `pipelines.image_prompt.load`). first: makes the request the
         pipeline will serve first, from a pipeline over the abstract models (shapes only, no weights; its
         errors are raised before any weight is read); its stored programs are read while the weights load
-        (without ControlNets, T2I-Adapters or an IP-Adapter).
+        (without conditioning models).
         """
-        from convert.controlnet import load_controlnet
         from convert.library import default_cache_dir
-        from convert.t2i_adapter import load_t2i_adapter
         from pipelines.model_names import resolve_model
 
         cache = Path(cache) if cache is not None else default_cache_dir()
@@ -127,7 +131,7 @@ class Pipeline:
         abstract = {n: model_folder.abstract_component(folder, n, dtype=computes[n].param_dtype, compute=computes[n],
                                                        spec=spec, abstract=executables.abstract_model)
                     for n in ("unet", "vae", *family.encoders)}
-        if first is not None and not controlnets and not t2i_adapters and ip_adapter is None:
+        if first is not None and not (controlnets or t2i_adapters or ip_adapters):
             placed = {n: weights.placed_abstract(m, dtype=computes[n].param_dtype, sharding=rule)
                       for n, m in abstract.items()}
             shell = cls.from_models(placed, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
@@ -138,36 +142,26 @@ class Pipeline:
                                            spec=spec, abstract=lambda *_, empty=empty: empty)
             for n, empty in abstract.items()
         }
-        nets = []
-        for src in controlnets:
-            net = load_controlnet(src, dtype=dtype, compute=computes["unet"], sharding=rule, cache_dir=cache / "models",
-                                  log=log, abstract=executables.abstract_model)
-            control.check_compatible(net, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
-            nets.append(net)
-        adapters = []
-        for src in t2i_adapters:
-            adapter = load_t2i_adapter(src, dtype=dtype, compute=computes["unet"], sharding=rule,
-                                       cache_dir=cache / "models", log=log)
-            t2i_adapter.check_compatible(adapter, loaded["unet"].config, loaded["vae"].config.downsample_factor, src)
-            adapters.append(adapter)
-        t2i_adapter.check_together([a.config for a in adapters], t2i_adapters)
-        if ip_adapter is not None:
-            loaded |= image_prompt.load(ip_adapter, image_encoder, loaded["unet"], dtype=dtype, compute=computes["unet"],
-                                        sharding=rule)
-        return cls.from_models(loaded, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
-                               name=name or str(model), controlnets=tuple(nets), t2i_adapters=tuple(adapters))
+        extra, conditioners = _load_conditioners(
+            loaded, controlnets, t2i_adapters, ip_adapters, image_encoders, dtype=dtype, compute=computes["unet"],
+            sharding=rule, cache=cache / "models", log=log)
+        return cls.from_models({**loaded, **extra}, family=family, scheduler=sched, tokenizers=tokenizers, mesh=mesh,
+                               name=name or str(model), conditioners=conditioners)
 
     @classmethod
     def from_models(cls, models: dict, *, family: Family, scheduler: schedulers.Scheduler, tokenizers: dict, mesh,
-                    name: str, controlnets: tuple = (), t2i_adapters: tuple = ()) -> Pipeline:
-        """A pipeline over models already built and placed on `mesh`, {"unet", "vae", encoders...}, and
-        ControlNets and T2I-Adapters: what training validates with. Each model runs in the compute dtype it
+                    name: str, conditioners: dict | None = None) -> Pipeline:
+        """A pipeline over models already built and placed on `mesh`, {"unet", "vae", encoders..., and the
+        conditioning plug-ins' models (`pipelines.plugin.model_name`)}, `conditioners` naming the latter by kind
+        (see `Pipeline.conditioners`): what training validates with. Each model runs in the compute dtype it
         carries (`model.compute`)."""
-        nets = {controlnet_name(k): net for k, net in enumerate(controlnets)}
-        nets |= {t2i_adapter.adapter_name(k): a for k, a in enumerate(t2i_adapters)}
         family = dataclasses.replace(family, guidance_embedded=models["unet"].config.time_cond_proj_dim is not None)
-        return cls(family=family, scheduler=scheduler, tokenizers=tokenizers, sampler=Sampler({**models, **nets}, mesh),
-                   name=name, controlnets=tuple(controlnets), t2i_adapters=tuple(t2i_adapters), **_shape_facts(models))
+        return cls(family=family, scheduler=scheduler, tokenizers=tokenizers, sampler=Sampler(models, mesh),
+                   name=name, conditioners=dict(conditioners or {}), **_shape_facts(models))
+
+    def conditioning_models(self, kind: str) -> list:
+        """The pipeline's models of a conditioning plug-in's `kind` ("controlnet", ...), in order."""
+        return [self.sampler.models[name] for name in self.conditioners.get(kind, ())]
 
     @property
     def models(self) -> dict:
@@ -193,9 +187,10 @@ class Pipeline:
 
     def complete(self, request: Request) -> Request:
         """`request` with what it leaves open (None) chosen as `python -m sdx.sample` chooses it for this model:
-        the size of its image, else of its first control or adapter image, else of its latents, else the
-        model's training size (`default_size`); guidance_scale 5.0 for SDXL, else 7.5; strength, as diffusers'
-        pipelines: inpainting 0.9999 for SDXL, else 1.0; otherwise 0.3 for SDXL without ControlNets, else 0.8."""
+        the size of its image, else of its first control or adapter image (`Input.size`), else of its latents,
+        else the model's training size (`default_size`); guidance_scale 5.0 for SDXL, else 7.5; strength, as
+        diffusers' pipelines: inpainting 0.9999 for SDXL, else 1.0; otherwise 0.3 for SDXL without ControlNets,
+        else 0.8."""
         r, xl = request, self.family.xl
         if r.height is None or r.width is None:
             height, width = self._size_of(r)
@@ -205,13 +200,16 @@ class Pipeline:
             r = dataclasses.replace(r, guidance_scale=5.0 if xl else 7.5)
         if r.strength is None:
             inpaint = r.mask is not None
-            r = dataclasses.replace(r, strength=(0.9999 if xl else 1.0) if inpaint else 0.3 if xl and not r.controls else 0.8)
+            controlled = any(one.kind == Control.kind for one in r.conditioning)
+            r = dataclasses.replace(r, strength=(0.9999 if xl else 1.0) if inpaint else 0.3 if xl and not controlled else 0.8)
         return r
 
     def _size_of(self, r: Request) -> tuple[int, int]:
-        for given in (r.image, *(c.image for c in r.controls), *(a.image for a in r.adapters)):
-            if given is not None:
-                return tuple(given.shape[1:3])
+        if r.image is not None:
+            return tuple(r.image.shape[1:3])
+        for one in _in_order(r.conditioning):
+            if one.size() is not None:
+                return one.size()
         for latents in (r.latents, r.init_latents):  # the diffusers layout, (N, C, h, w)
             if latents is not None:
                 return latents.shape[2] * self.factor, latents.shape[3] * self.factor
@@ -229,8 +227,6 @@ class Pipeline:
         """`__call__`'s images with what the request's interventions read out, one entry each."""
         request = self.complete(request)
         self.validate(request)
-        if self.controlnets and self.controlnets[0].config.global_pool_conditions:
-            request = dataclasses.replace(request, guess_mode=True)  # as diffusers, from the first ControlNet
         work = self._work(self.fitted(request))
         if progress is not None:
             progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
@@ -266,26 +262,37 @@ class Pipeline:
             self.sampler.prefetch(plan, self.sampler.place(inputs))
 
     def validate(self, request: Request) -> None:
-        """An SdxError, in the user's terms, for what this pipeline's models cannot take (`pipelines.request.validate`)."""
+        """An SdxError, in the user's terms, for what this pipeline's models cannot take (`pipelines.request.validate`,
+        each conditioning input's `check`)."""
         request = self.complete(request)
-        validate(request, self.family, self.factor, self.multiple, len(self.controlnets), self.sampler.models["vae"].config,
-                 ip_adapter=self.image_encoder is not None, adapters=[a.config for a in self.t2i_adapters])
-        if request.image_prompt is not None:
-            request.image_prompt.per_attention(self.sampler.models["unet"])  # a per-block spec that does not fit fails here
+        validate(request, self.family, self.factor, self.multiple, self.sampler.models["vae"].config)
+        for one, model in self.matched(request):
+            one.check(request, self, model)
         guider = guidance.of_request(self.family, request.guidance_scale, request.image_guidance_scale, request.guidance)
         guidance.check_request(guider, request, self)
 
-    @property
-    def image_encoder(self):
-        """The IP-Adapter's CLIP image encoder (`pipelines.image_prompt`), or None without an adapter."""
-        return self.sampler.models.get(image_prompt.ENCODER)
+    def matched(self, request: Request) -> list[tuple[Input, str]]:
+        """(input, the name of the model it goes to) for each of the request's conditioning inputs, ControlNets
+        first, then T2I-Adapters, then IP-Adapters (`INPUTS`), each kind in order; an SdxError unless the request
+        gives one input per model of every kind."""
+        found = []
+        for kind, cls in INPUTS.items():
+            given = [one for one in request.conditioning if one.kind == kind]
+            models = self.conditioners.get(kind, ())
+            if len(given) != len(models):
+                raise SdxError(f"give one {cls.image_flag} per {cls.flag} ({len(models)}), not {len(given)}")
+            found += zip(given, models)
+        unknown = [type(one).__name__ for one in request.conditioning if one.kind not in INPUTS]
+        if unknown:
+            raise SdxError(f"Request.conditioning: {unknown[0]} is not a conditioning input ({', '.join(INPUTS)})")
+        return found
 
     def _work(self, request: Request) -> list:
         request = self.complete(request)
-        prompt = request.image_prompt
-        ip_scales = None if prompt is None else prompt.per_attention(self.sampler.models["unet"])
+        matched = self.matched(request)
         return batches(request, self.family, self.tokenizers, self.scheduler, factor=self.factor, channels=self.channels,
-                       devices=self.sampler.mesh.devices.size, ip_scales=ip_scales)
+                       devices=self.sampler.mesh.devices.size,
+                       plugins=lambda batch: tuple(one.plugin(batch, model, self) for one, model in matched))
 
     def fitted(self, request: Request) -> Request:
         """`request` with what it leaves to free memory chosen: the batch size when not given
@@ -329,6 +336,42 @@ class Pipeline:
 
 
 FREE_SHARE = 0.9  # of a device's free memory a generation may plan to use (the rest: fragmentation, the host)
+# the conditioning inputs a request may give, by the kind of model they go to, in the order the plug-ins act
+INPUTS: dict[str, type[Input]] = {cls.kind: cls for cls in (Control, AdapterImage, ImagePrompt)}
+
+
+def _in_order(inputs) -> list[Input]:
+    """Conditioning inputs in `INPUTS`' order of kinds, each kind's in the order given."""
+    kinds = list(INPUTS)
+    return sorted(inputs, key=lambda one: kinds.index(one.kind) if one.kind in kinds else len(kinds))
+
+
+def _load_conditioners(loaded: dict, controlnets, t2i_adapters, ip_adapters, image_encoders, *, dtype: str,
+                       compute: Compute, sharding, cache: Path, log) -> tuple[dict, dict]:
+    """({name: model} of the conditioning models, {kind: their names}) for the loaded UNet and VAE (`loaded`),
+    each checked against them before the next is read; sources as `Pipeline.load` takes them."""
+    from convert.controlnet import load_controlnet
+    from convert.t2i_adapter import load_t2i_adapter
+
+    unet, factor = loaded["unet"], loaded["vae"].config.downsample_factor
+    models = {}
+    for k, src in enumerate(controlnets):
+        net = load_controlnet(src, dtype=dtype, compute=compute, sharding=sharding, cache_dir=cache, log=log,
+                              abstract=executables.abstract_model)
+        control.check_compatible(net, unet.config, factor, src)
+        models[model_name(Control.kind, k)] = net
+    adapters = []
+    for k, src in enumerate(t2i_adapters):
+        adapter = load_t2i_adapter(src, dtype=dtype, compute=compute, sharding=sharding, cache_dir=cache, log=log)
+        t2i_adapter.check_compatible(adapter, unet.config, factor, src)
+        adapters.append(adapter.config)
+        models[model_name(AdapterImage.kind, k)] = adapter
+    t2i_adapter.check_together(adapters, t2i_adapters)
+    encoders = [*image_encoders, *[None] * (len(ip_adapters) - len(image_encoders))]
+    for k, (src, encoder) in enumerate(zip(ip_adapters, encoders)):
+        models |= image_prompt.load(src, encoder, unet, k, dtype=dtype, compute=compute, sharding=sharding)
+    counts = {Control.kind: len(controlnets), AdapterImage.kind: len(t2i_adapters), ImagePrompt.kind: len(ip_adapters)}
+    return models, {kind: tuple(model_name(kind, k) for k in range(n)) for kind, n in counts.items() if n}
 
 
 def _shape_facts(models: dict) -> dict:

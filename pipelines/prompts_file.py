@@ -23,6 +23,7 @@ from pathlib import Path
 from sdx.errors import SdxError
 
 PROMPTS = ("prompt", "prompt_2", "negative_prompt", "negative_prompt_2")  # a string, as a one-item list flag
+LISTS = (*PROMPTS, "ip_adapter_image", "ip_adapter_scale")  # settings of flags that take a list: one item
 SETTINGS: dict[str, type] = {
     **dict.fromkeys(PROMPTS, str), "image": str, "mask": str, "mask_blur": float, "ip_adapter_image": str,
     **dict.fromkeys(("seed", "steps", "height", "width", "num_images", "padding_mask_crop"), int),
@@ -64,7 +65,7 @@ def _settings(line: str, where: str) -> dict:
             isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool))
         if not ok:
             raise SdxError(f"{where}: \"{key}\" must be a{'n' if kind is int else ''} {kind.__name__}, got {value!r}")
-        out[key] = [value] if key in PROMPTS else kind(value)
+        out[key] = [kind(value)] if key in LISTS else kind(value)
     return out
 
 
@@ -76,8 +77,9 @@ def paths(folder: Path, index: int, num_images: int) -> list[Path]:
 
 
 def written(path: Path, prompt: str, seed: int, image_index: int) -> bool:
-    """Whether `path` is this image, written by an earlier run; False when there is no file. A file that
-    is another image (or no sdx image) is an error: it is neither overwritten nor taken for this one."""
+    """Whether `path` is image `image_index` of the prompt seeded `seed` (its own seed: seed + image_index),
+    written by an earlier run; False when there is no file. A file that is another image (or no sdx image) is an
+    error: it is neither overwritten nor taken for this one."""
     from PIL import Image, UnidentifiedImageError
 
     if not path.exists():
@@ -87,7 +89,7 @@ def written(path: Path, prompt: str, seed: int, image_index: int) -> bool:
             meta = json.loads(im.info.get("sdx", "{}"))
     except (OSError, UnidentifiedImageError, json.JSONDecodeError):
         meta = {}
-    if (meta.get("prompt"), meta.get("seed"), meta.get("image_index")) == (prompt, seed, image_index):
+    if (meta.get("prompt"), meta.get("seed"), meta.get("image_index")) == (prompt, seed + image_index, image_index):
         return True
     raise SdxError(f"{path} exists and is not the image asked for now (prompt {prompt!r}, seed {seed}); pass "
                    "--overwrite to replace it or choose another --output")

@@ -84,7 +84,7 @@ class SelfAttention(Around):
         if pipe.family.xl:
             raise SdxError(f"{FLAG}: Self-Attention Guidance is for SD 1.x and 2.x; diffusers has no SDXL SAG pipeline "
                            "and sdx does not make one up")
-        if request.controls or request.adapters or request.image_prompt is not None or pipe.family.inpaint:
+        if request.conditioning or pipe.family.inpaint:
             raise SdxError(f"{FLAG}: Self-Attention Guidance runs without ControlNets, T2I-Adapters, an IP-Adapter or "
                            "an inpainting model (as diffusers' StableDiffusionSAGPipeline)")
         if pipe.scheduler.schedule(request.steps)["timesteps"].dtype.kind not in "iu":

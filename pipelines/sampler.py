@@ -1,12 +1,16 @@
 """The generation as three ahead-of-time compiled programs and a Python loop over the model calls.
 
-- prepare (text encoders, VAE encoder, T2I-Adapters): token ids -> the UNet batch of conditioning the
-  guidance lays out, its text context projected by every attention of the UNet and the ControlNets that
-  reads it; the T2I-Adapters' feature maps; the initial latents (noise, img2img's noised image latents, or
-  given latents); InstructPix2Pix's image latents; inpainting's mask and masked-image latents.
-- denoise (UNet, and the ControlNets if any): `chunk` model calls (ControlNets, UNet, guidance, scheduler
-  step, as a `lax.fori_loop`) from the call the scheduler state has reached; the latents and scheduler
-  state are donated from one call to the next.
+- prepare (text encoders, VAE encoder, the conditioning plug-ins' models): token ids -> the UNet batch of
+  conditioning the guidance lays out, its text context projected by every attention of the UNet that reads
+  it; what each plug-in makes once per image (`pipelines.plugin`: a ControlNet's projections of the text, a
+  T2I-Adapter's feature maps, an IP-Adapter's image keys and values); the initial latents (noise, img2img's
+  noised image latents, or given latents); InstructPix2Pix's image latents; inpainting's mask and
+  masked-image latents.
+- denoise (UNet, and the plug-ins' models that run at every call, ControlNets): `chunk` model calls as a
+  `lax.fori_loop` from the call the scheduler state has reached, each: scale the input, the guider's
+  prediction from the assembled model (`pipelines.denoiser`), the scheduler step, then what follows a step
+  (inpainting's blending, the readouts, NaN tracking); the latents and scheduler state are donated from one
+  call to the next.
 - decode (VAE decoder): latents -> images.
 
 The VAE (prepare's encoder, decode's decoder) takes one image per device at a time (`_in_turns`), so its
@@ -76,32 +80,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pipelines import control, cpu_kernels, executables, guidance, host_memory, image_prompt, masks, t2i_adapter, text
+from pipelines import cpu_kernels, executables, guidance, host_memory, masks, text
+from pipelines.denoiser import Denoiser
 from pipelines.family import Family
 from pipelines.guidance import Conditioning, Guidance, Scales
+from pipelines.plugin import DENOISE, PREPARE, ModelCall, Ready
 from sdx import interventions
 from sdx import mesh as meshlib
 from sdx import weights
-from sdx.layers import Rows, TextContext
+from sdx.layers import TextContext
 from sdx.schedulers import Scheduler, State
-from sdx.unet import guidance_scale_embedding
 
 START_NOISE, START_IMAGE, START_LATENTS = "noise", "image", "latents"
-
-
-def controlnet_name(k: int) -> str:
-    """The `Sampler.models` key of the k-th ControlNet."""
-    return f"controlnet_{k}"
-
-
-def _controlnet_names(plan: Plan) -> list[str]:
-    """The `Sampler.models` keys of the plan's ControlNets, in order."""
-    return [controlnet_name(k) for k in range(plan.controlnets)]
-
-
-def _adapter_names(plan: Plan) -> list[str]:
-    """The `Sampler.models` keys of the plan's T2I-Adapters, in order."""
-    return [t2i_adapter.adapter_name(k) for k in range(plan.t2i_adapters)]
 
 
 class Stream(enum.IntEnum):
@@ -122,16 +112,14 @@ class Plan:
     start: "noise" (text-to-image), "image" (img2img: encode, then noise to the first call's level),
     "latents" (continue given latents as they are: the refiner after the base);
     decode: return images (True) or final latents (False); chunks: 77-token text chunks per prompt;
-    inpaint: a mask says what to repaint (`Inputs.mask`); controlnets: how many of the sampler's
-    ControlNets act (`Inputs.control`); guess_mode: theirs (`pipelines.control`); image_prompt: an IP-Adapter
-    reads `Inputs.ip_image` (`pipelines.image_prompt`); t2i_adapters: how many of the sampler's T2I-Adapters
-    act (`Inputs.adapter`, `pipelines.t2i_adapter`); blank_rows: a zero
+    inpaint: a mask says what to repaint (`Inputs.mask`); blank_rows: a zero
     negative branch skips its cross-attentions (`Guidance.blank_rows`; set where `BLANK_ROWS_PLATFORMS` says);
     vae_tiling: the VAE encodes and decodes images larger than its tile in overlapping tiles (`sdx.vae_tiles`);
     interventions: what the request asks to change in the UNet (`sdx.interventions.Intervention`s), and
     `guidance` the guider, each as `sdx.interventions.split` leaves it: its traced fields None (their values
     are `Inputs.interventions` and `Inputs.guider`); weighting: how the prompts' token weights enter the
-    conditioning (`pipelines.text.Weighting`; the weights are `Inputs.prompt_weights`).
+    conditioning (`pipelines.text.Weighting`; the weights are `Inputs.prompt_weights`); plugins: the conditioning
+    plug-ins (`pipelines.plugin.Plugin`), split the same way (their values: `Inputs.plugins`).
     """
 
     family: Family
@@ -148,14 +136,11 @@ class Plan:
     chunks: int = 1
     clip_skip: int | None = None
     inpaint: bool = False
-    controlnets: int = 0
-    guess_mode: bool = False
-    image_prompt: bool = False
-    t2i_adapters: int = 0
     blank_rows: bool = False
     vae_tiling: bool = False
     interventions: tuple = ()
     weighting: text.Weighting = text.PLAIN
+    plugins: tuple = ()
 
     def encodes(self) -> bool:
         """Whether the prepare program runs the VAE's encoder (img2img, inpainting, InstructPix2Pix)."""
@@ -168,6 +153,10 @@ class Plan:
         reads_tiling = program == "prepare" and self.encodes()
         return self if reads_tiling else dataclasses.replace(self, vae_tiling=False)
 
+    def models(self, program: str) -> list[str]:
+        """The `Sampler.models` names the plug-ins read in `program` (PREPARE or DENOISE), each once, in order."""
+        return list(dict.fromkeys(name for plugin in self.plugins for name in plugin.models(program)))
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -176,19 +165,18 @@ class Inputs:
 
     ids / negative_ids: {encoder: (B, chunks, 77) int32}; zero_negative: (B,) bool, True where the
     negative conditioning is zeros (SDXL's force_zeros_for_empty_prompt); noise: (B, h, w, C) initial
-    noise; keys: (B, 2) uint32, each image's PRNG key; scales: the guidance scales; time_ids /
+    noise; keys: (B, 2) uint32, each image's PRNG key; scales: the guidance scales, (B,) each; time_ids /
     negative_time_ids: (B, 5 or 6) SDXL micro-conditioning (zeros (B, 0) otherwise); image: (B, H, W, 3)
     in [-1, 1] for img2img and InstructPix2Pix, (B, h, w, C) latents for start="latents", (B, 0, 0, 0)
-    otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; control: per
-    ControlNet (B, H, W, C) its image in [0, 1]; control_scales: (ControlNets, calls) each one's scale at
-    each call of [begin, end); ip_image: (B, S, S, 3) the IP-Adapter's image encoder's input, (0, 0, 0, 0)
-    without one; ip_scale: (cross-attentions,) the scale of each of the UNet's, (0,) without one; adapter: per
-    T2I-Adapter (B, H, W, C) its image in [0, 1]; adapter_scales: (adapters,) their weights; adapter_gates:
-    (calls,) 1 at each call of [begin, end) they act in, 0 after; state: the scheduler's tables for calls
-    [begin, end); guider: the values of the guider's traced fields, interventions: those of each
-    intervention's (`Plan.interventions`; `sdx.interventions.split`'s leaves), replicated; prompt_weights:
-    {"positive", "negative"} -> {encoder: `pipelines.text.TokenWeights`} of ids and negative_ids (None with
-    `Plan.weighting` "none").
+    otherwise; mask: (B, H, W, 1) 1.0 where inpainting repaints, (0, 0, 0, 0) otherwise; state: the
+    scheduler's tables for calls [begin, end); guider: the values of the guider's traced fields,
+    interventions: those of each intervention's (`Plan.interventions`; `sdx.interventions.split`'s leaves),
+    replicated; prompt_weights: {"positive", "negative"} -> {encoder: `pipelines.text.TokenWeights`} of ids
+    and negative_ids (None with `Plan.weighting` "none"); plugins: each plug-in's traced values
+    (`Plan.plugins`), every one with the batch's rows first.
+
+    Everything but the scheduler's tables, the guider's and the interventions' values is one row per image, so
+    the inputs of requests that share a plan (and those three) stack into one batch.
     """
 
     ids: dict[str, jax.Array]
@@ -201,17 +189,11 @@ class Inputs:
     negative_time_ids: jax.Array
     image: jax.Array
     mask: jax.Array
-    control: tuple[jax.Array, ...]
-    control_scales: jax.Array
-    ip_image: jax.Array
-    ip_scale: jax.Array
-    adapter: tuple[jax.Array, ...]
-    adapter_scales: jax.Array
-    adapter_gates: jax.Array
     state: State
     guider: tuple = ()
     interventions: tuple = ()
     prompt_weights: dict | None = None
+    plugins: tuple = ()
 
 
 @jax.tree_util.register_dataclass
@@ -255,27 +237,21 @@ class Known:
 @dataclasses.dataclass(frozen=True)
 class Fixed:
     """What every model call reads and none changes: the UNet batch's conditioning (B * branches rows),
-    its context as the UNet's `text_context` (every attention's keys and values of it, projected once, and
-    an IP-Adapter's of its image tokens),
-    each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, and the
-    ControlNets' images and scales (`Inputs.control`, `Inputs.control_scales`) and their own
-    `text_context`s of the context, and the T2I-Adapters' summed feature maps (B rows each) with the calls
-    they act in (`Inputs.adapter_gates`), and the guider's and the interventions' traced values
-    (`Inputs.guider`, `Inputs.interventions`). What the interventions place on the UNet rides in
-    `text.interventions`."""
+    its context as the UNet's `text_context` (every attention's keys and values of it, projected once),
+    each image's key (B, 2), the guidance scales, what a 4-channel model's inpainting puts back, the guider's,
+    the interventions' and the plug-ins' traced values (`Inputs.guider`, `Inputs.interventions`,
+    `Inputs.plugins`) and what each plug-in's prepare made (`prepared`). What the interventions place on the
+    UNet rides in `text.interventions`."""
 
     cond: Conditioning
     text: TextContext
     keys: jax.Array
     scales: Scales
     known: Known | None = None
-    control: tuple[jax.Array, ...] = ()
-    control_scales: jax.Array | None = None
-    control_text: tuple[TextContext, ...] = ()
-    adapter_features: tuple[jax.Array, ...] = ()
-    adapter_gates: jax.Array | None = None
     guider: tuple = ()
     interventions: tuple = ()
+    plugins: tuple = ()
+    prepared: tuple = ()
 
 
 def enable_compilation_cache(path: str | os.PathLike | None, min_compile_secs: float = 1.0) -> None:
@@ -314,75 +290,82 @@ BLANK_ROWS_PLATFORMS: tuple[str, ...] = ("cpu",)
 
 
 def _prepare(graphdefs, params, inputs: Inputs, plan: Plan, dtype, devices: int) -> tuple[Carry, Fixed]:
-    """Conditioning (with the UNet's and each ControlNet's projections of its context), the T2I-Adapters'
-    feature maps and initial latents.
-    `dtype`: the UNet's compute dtype, for what it reads; `devices`: the mesh's, over which the VAE encodes
-    in turns (`_in_turns`)."""
+    """Conditioning (with the UNet's projections of its context), what the plug-ins make once per image, and
+    the initial latents. `dtype`: the UNet's compute dtype, for what it reads; `devices`: the mesh's, over which
+    the VAE encodes in turns (`_in_turns`)."""
     models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
-    fam, sched, state, vae = plan.family, plan.scheduler, inputs.state, models["vae"]
-    guide = interventions.bind(plan.guidance, inputs.guider)
-    encode = functools.partial(vae.encode, tiled=plan.vae_tiling)
-    encoders = {name: models[name] for name in fam.encoders}
+    guide, unet = interventions.bind(plan.guidance, inputs.guider), models["unet"]
+    encode = functools.partial(models["vae"].encode, tiled=plan.vae_tiling)
+    mask = masks.latent_mask(inputs.mask, models["vae"].config.downsample_factor) if plan.inpaint else None
+    both, context = _conditioning(models, inputs, plan, guide, encode, mask, dtype, devices)
+    x, known = _initial_latents(plan, inputs, models["vae"].config, encode, mask, devices)
+    # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention
+    blank = guide.blank_rows(plan.family) if plan.blank_rows else None
+    plugins = [interventions.bind(p, v) for p, v in zip(plan.plugins, inputs.plugins)]
+    ready = Ready(both, guide, blank, unet, dtype, plan.family)
+    prepared = tuple(plugin.prepare(models, ready) for plugin in plugins)
+    asked = [interventions.bind(s, v) for s, v in zip(plan.interventions, inputs.interventions)]
+    text = _unet_context(plan, unet, both.context, blank, (guide, *asked))
+    fixed = Fixed(both, text, inputs.keys, inputs.scales, known, inputs.guider, inputs.interventions, inputs.plugins,
+                  prepared)
+    at = _readout(plan, guide, x, context)
+    return Carry(x, inputs.state, jnp.zeros(x.shape[:1], jnp.int32), tuple(one.readout(at) for one in asked)), fixed
 
+
+def _conditioning(models, inputs: Inputs, plan: Plan, guide: Guidance, encode: Callable, mask, dtype,
+                  devices: int) -> tuple[Conditioning, jax.Array]:
+    """(The UNet batch's conditioning as the guider lays it out, the prompts' own context (B, S, D)): the
+    prompts' (and negative prompts') text, SDXL's time ids, and the channels concatenated to the UNet's input."""
+    fam = plan.family
+    encoders = {name: models[name] for name in fam.encoders}
     weights = inputs.prompt_weights or {"positive": None, "negative": None}
     context, pooled = text.encode(fam, encoders, inputs.ids, plan.clip_skip, dtype, plan.weighting, weights["positive"])
-    mask = masks.latent_mask(inputs.mask, vae.config.downsample_factor) if plan.inpaint else None
     extra = None  # channels concatenated to the UNet's input
     if fam.pix2pix:  # the image's latents ride along on the UNet's input channels, unscaled (the paper's setup)
         extra = _in_turns(encode, inputs.image, devices).mode()
         if fam.scaled_image_latents:
-            extra = extra * vae.config.scaling_factor
+            extra = extra * models["vae"].config.scaling_factor
     elif fam.inpaint:  # the mask and the masked image's latents (masked pixels 0, mid-grey)
-        masked = _sample_latents(vae.config, encode, inputs.image * (inputs.mask < 0.5), inputs.keys,
+        masked = _sample_latents(models["vae"].config, encode, inputs.image * (inputs.mask < 0.5), inputs.keys,
                                  Stream.MASKED_POSTERIOR, devices)
         extra = jnp.concatenate([mask, masked], axis=-1)
     extra = None if extra is None else extra.astype(dtype)
-    guided = guide.branches > 1
-    ip_tokens = ip_none = None
-    if plan.image_prompt:
-        ip_tokens, ip_none = image_prompt.tokens(models[image_prompt.ADAPTER], models[image_prompt.ENCODER],
-                                                 inputs.ip_image, guided)
-    cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra, ip_tokens)
+    cond = Conditioning(context, pooled, inputs.time_ids.astype(dtype), extra)
     negative = None
-    if guided:  # InstructPix2Pix's guidance lays out its image branches itself
+    if guide.branches > 1:  # InstructPix2Pix's guidance lays out its image branches itself
         neg_context, neg_pooled = guidance.negative_conditioning(fam, encoders, inputs.negative_ids, inputs.zero_negative,
                                                                  dtype, plan.weighting, weights["negative"])
         negative = Conditioning(neg_context, neg_pooled, inputs.negative_time_ids.astype(dtype),
-                                None if fam.pix2pix else extra, ip_none)
+                                None if fam.pix2pix else extra)
+    return guide.conditioning(cond, negative), context
 
-    blend = plan.inpaint and not fam.inpaint
+
+def _initial_latents(plan: Plan, inputs: Inputs, vae_config, encode: Callable, mask,
+                     devices: int) -> tuple[jax.Array, Known | None]:
+    """(The latents the first model call reads, what a 4-channel model's inpainting puts back after each call)."""
+    state = inputs.state
+    blend = plan.inpaint and not plan.family.inpaint
     image_latents = None
     if plan.start == START_IMAGE or blend:
-        image_latents = _sample_latents(vae.config, encode, inputs.image, inputs.keys, Stream.POSTERIOR, devices)
+        image_latents = _sample_latents(vae_config, encode, inputs.image, inputs.keys, Stream.POSTERIOR, devices)
     if plan.start == START_NOISE:
         x = inputs.noise * state.init_noise_sigma
     elif plan.start == START_IMAGE:
-        x = sched.add_noise(state, image_latents, inputs.noise)
+        x = plan.scheduler.add_noise(state, image_latents, inputs.noise)
     else:
         x = inputs.image.astype(jnp.float32)
-    known = Known(image_latents, mask, inputs.noise) if blend else None
-    first_bad = jnp.zeros(x.shape[:1], jnp.int32)
-    both = guide.conditioning(cond, negative)
-    nets = [models[name] for name in _controlnet_names(plan)]
-    # SDXL's zero negative branch: its cross-attentions are skipped, behind a `lax.cond` per attention
-    blank = guide.blank_rows(fam) if plan.blank_rows else None
-    control_blank = None if plan.guess_mode else blank  # guess mode runs a ControlNet on the text rows alone
-    unet_text = models["unet"].text_context(both.context, blank)
-    if plan.image_prompt:
-        unet_text = models[image_prompt.ADAPTER].attach(models["unet"], unet_text, both.ip_tokens, inputs.ip_scale)
-    asked = [interventions.bind(s, v) for s, v in zip(plan.interventions, inputs.interventions)]
-    placed = interventions.installed(models["unet"], (guide, *asked))
-    if placed.attention or placed.sites:
-        calls = len(plan.scheduler.timesteps(plan.steps))
-        unet_text = dataclasses.replace(unet_text, interventions=dataclasses.replace(placed, calls=calls))
-    adapters = [models[name] for name in _adapter_names(plan)]
-    features = t2i_adapter.features(adapters, inputs.adapter, inputs.adapter_scales) if adapters else ()
-    fixed = Fixed(both, unet_text, inputs.keys, inputs.scales, known,
-                  tuple(inputs.control), inputs.control_scales,
-                  tuple(net.text_context(both.context, control_blank) for net in nets),
-                  features, inputs.adapter_gates if adapters else None, inputs.guider, inputs.interventions)
-    at = _readout(plan, guide, x, context)
-    return Carry(x, state, first_bad, tuple(one.readout(at) for one in asked)), fixed
+    return x, Known(image_latents, mask, inputs.noise) if blend else None
+
+
+def _unet_context(plan: Plan, unet, context: jax.Array, blank, placed: tuple) -> TextContext:
+    """The UNet's `text_context` of the UNet batch's context, carrying the interventions of the guider and the
+    request (`placed`) with the schedule's length."""
+    text = unet.text_context(context, blank)
+    found = interventions.installed(unet, placed)
+    if not (found.attention or found.sites):
+        return text
+    calls = len(plan.scheduler.timesteps(plan.steps))
+    return dataclasses.replace(text, interventions=dataclasses.replace(found, calls=calls))
 
 
 def _readout(plan: Plan, guide: Guidance, latents: jax.Array, context: jax.Array, index=None) -> interventions.Readout:
@@ -404,63 +387,55 @@ def _sample_latents(config, encode: Callable, images: jax.Array, keys: jax.Array
 def _denoise(graphdefs, params, carry: Carry, fixed: Fixed, plan: Plan, calls: int) -> tuple[Carry, jax.Array]:
     """`calls` model calls from where `carry.state` is. Also returns the state's call index, a small
     output the driver waits on to report progress (the carry itself is donated to the next call).
-    graphdefs/params: {"unet", the plan's ControlNets `controlnet_name(k)`}."""
-    unet = nnx.merge(graphdefs["unet"], params["unet"])
-    nets = [nnx.merge(graphdefs[name], params[name]) for name in _controlnet_names(plan)]
-    sched, cond = plan.scheduler, fixed.cond
-    guide = interventions.bind(plan.guidance, fixed.guider)
+    graphdefs/params: {"unet", the plug-ins' denoise models (`Plan.models`)}."""
+    models = {name: nnx.merge(graphdefs[name], params[name]) for name in params}
+    sched, guide = plan.scheduler, interventions.bind(plan.guidance, fixed.guider)
     asked = [interventions.bind(s, v) for s, v in zip(plan.interventions, fixed.interventions)]
-    xl = plan.family.xl
+    plugins = tuple(zip((interventions.bind(p, v) for p, v in zip(plan.plugins, fixed.plugins)), fixed.prepared))
     shared = guidance.shared_rows(guide, plan.interventions, plan.family)  # rows whose input the UNet reads once
 
     def call(_, carry: Carry) -> Carry:
         st, x = carry.state, carry.latents
         c = plan.begin + st.index  # call index in the full schedule, so a refiner continues the base's stream
-        latents_in = sched.scale_model_input(st, x).astype(unet.compute.dtype)
-        placed = fixed.text.interventions
-        text = fixed.text if placed is None else dataclasses.replace(
-            fixed.text, interventions=dataclasses.replace(placed, step=c))
-
-        def model(model_in: jax.Array, branches: tuple[int, ...] | None = None) -> jax.Array:
-            """The UNet on the guidance batch, or on some of its branches (no ControlNet or adapter there)."""
-            t = jnp.broadcast_to(st.timestep, (model_in.shape[0],))
-            res = {}
-            if unet.config.time_cond_proj_dim is not None:  # an LCM UNet: the guidance scale as its embedding of w - 1
-                w = jnp.broadcast_to(fixed.scales.text - 1, (model_in.shape[0],))
-                res["timestep_cond"] = guidance_scale_embedding(w, unet.config.time_cond_proj_dim)
-            if branches is not None:
-                rows = guidance.branch_rows(cond, guide.branches, branches)
-                added = {"text_embeds": rows.pooled, "time_ids": rows.time_ids} if xl else None
-                return unet(model_in, t, text.rows(Rows(guide.branches, branches), branches), added,
-                            **res).astype(jnp.float32)
-            added = {"text_embeds": cond.pooled, "time_ids": cond.time_ids} if xl else None
-            if nets:
-                down, mid = control.residuals(nets, fixed.control, fixed.control_scales[:, st.index], latents_in,
-                                              st.timestep, cond, fixed.control_text, guide.branches, shared,
-                                              plan.guess_mode, xl)
-                res |= {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
-            if fixed.adapter_features:  # the same maps for every guidance branch of an image
-                gate = fixed.adapter_gates[st.index]
-                res["down_intrablock_additional_residuals"] = tuple(
-                    jnp.repeat(f * gate.astype(f.dtype), guide.branches, axis=0) for f in fixed.adapter_features)
-            return unet(model_in, t, text, added, **res).astype(jnp.float32)
-
-        step = guidance.Step(model, x, guide.model_input(latents_in, cond, shared), st.timestep, st, sched, fixed.scales)
+        latents_in = sched.scale_model_input(st, x).astype(models["unet"].compute.dtype)
+        at = ModelCall(latents_in, st.timestep, st.index, fixed.cond, guide.branches, shared, models["unet"])
+        model = Denoiser(models, _at_call(fixed.text, c), at, plugins, fixed.scales)
+        step = guidance.Step(model, x, guide.model_input(latents_in, fixed.cond, shared), st.timestep, st, sched,
+                             fixed.scales)
         out, records = interventions.capture(guide.predict, step)
-        at = _readout(plan, guide, x, cond.context, c)
-        readouts = tuple(one.accumulate(buffer, records, at) for one, buffer in zip(asked, carry.readouts))
-        noise = None
-        if sched.stochastic:
-            noise = _per_image(fixed.keys, Stream.STEP_NOISE, lambda k: sched.draw_noise(st, k, c, x.shape[1:]))
+        noise = _step_noise(sched, st, fixed.keys, c, x)
         st, x = sched.step(st, out, x, noise)
-        if fixed.known is not None:  # inpainting with a 4-channel model: the known region at the next call's level
-            known = fixed.known
-            x = (1 - known.mask) * sched.add_noise(st, known.latents, known.noise) + known.mask * x
-        newly_bad = (carry.first_bad == 0) & ~_finite(x)
-        return Carry(x, st, jnp.where(newly_bad, c + 1, carry.first_bad), readouts)
+        return _after_step(plan, guide, asked, fixed, carry, st, x, records, c)
 
     carry = jax.lax.fori_loop(0, calls, call, carry)
     return carry, carry.state.index
+
+
+def _at_call(text: TextContext, index: jax.Array) -> TextContext:
+    """The UNet's context with the model call's index in the full schedule for its interventions."""
+    placed = text.interventions
+    return text if placed is None else dataclasses.replace(text, interventions=dataclasses.replace(placed, step=index))
+
+
+def _step_noise(sched: Scheduler, state: State, keys: jax.Array, index: jax.Array, x: jax.Array) -> jax.Array | None:
+    """A stochastic sampler's noise for model call `index` of the full schedule, each image's from its own key."""
+    if not sched.stochastic:
+        return None
+    return _per_image(keys, Stream.STEP_NOISE, lambda k: sched.draw_noise(state, k, index, x.shape[1:]))
+
+
+def _after_step(plan: Plan, guide: Guidance, asked: list, fixed: Fixed, carry: Carry, state: State, x: jax.Array,
+                records: dict, index: jax.Array) -> Carry:
+    """The carry after model call `index`: a 4-channel model's inpainting puts the known region back at the next
+    call's noise level, the interventions fold in what they recorded, and images whose latents became NaN or inf
+    are noted (`Carry.first_bad`)."""
+    if fixed.known is not None:
+        known = fixed.known
+        x = (1 - known.mask) * plan.scheduler.add_noise(state, known.latents, known.noise) + known.mask * x
+    at = _readout(plan, guide, carry.latents, fixed.cond.context, index)
+    readouts = tuple(one.accumulate(buffer, records, at) for one, buffer in zip(asked, carry.readouts))
+    newly_bad = (carry.first_bad == 0) & ~_finite(x)
+    return Carry(x, state, jnp.where(newly_bad, index + 1, carry.first_bad), readouts)
 
 
 def working_bytes(program: jax.stages.Compiled) -> int:
@@ -545,8 +520,9 @@ class _Programs:
 class Sampler:
     """Compiles and runs the programs for a set of loaded models on a mesh.
 
-    models: {"unet", "vae", "text_encoder"[, "text_encoder_2"][, `controlnet_name(k)`...][, "image_encoder",
-    "ip_adapter"][, `t2i_adapter.adapter_name(k)`...]} live nnx modules (already placed);
+    models: {"unet", "vae", "text_encoder"[, "text_encoder_2"], and the conditioning plug-ins' (ControlNets,
+    T2I-Adapters, IP-Adapters and their image encoders: `pipelines.plugin.model_name`)} live nnx modules (already
+    placed);
     chunk: model calls per denoise call; compile_log: called with (plan, seconds) after each plan's
     programs are compiled; compilations counts those plans.
     """
@@ -595,31 +571,23 @@ class Sampler:
             zero_negative=batched(inputs.zero_negative),
             noise=batched(inputs.noise),
             keys=batched(inputs.keys),
-            scales=jax.tree.map(rep, inputs.scales),
+            scales=jax.tree.map(batched, inputs.scales),
             time_ids=batched(inputs.time_ids),
             negative_time_ids=batched(inputs.negative_time_ids),
             image=batched(inputs.image) if np.shape(inputs.image)[0] else rep(inputs.image),
             mask=batched(inputs.mask) if np.shape(inputs.mask)[0] else rep(inputs.mask),
-            control=tuple(batched(a) for a in inputs.control),
-            control_scales=rep(inputs.control_scales),
-            ip_image=batched(inputs.ip_image) if np.shape(inputs.ip_image)[0] else rep(inputs.ip_image),
-            ip_scale=rep(inputs.ip_scale),
-            adapter=tuple(batched(a) for a in inputs.adapter),
-            adapter_scales=rep(inputs.adapter_scales),
-            adapter_gates=rep(inputs.adapter_gates),
             state=dataclasses.replace(state, history=jax.tree.map(history, inputs.state.history)),
             guider=jax.tree.map(rep, inputs.guider),
             interventions=jax.tree.map(rep, inputs.interventions),
             prompt_weights=jax.tree.map(batched, inputs.prompt_weights),
+            plugins=jax.tree.map(batched, inputs.plugins),
         )
 
     def _prepare_params(self, plan: Plan) -> dict:
-        adapter = (image_prompt.ENCODER, image_prompt.ADAPTER) if plan.image_prompt else ()
-        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *_controlnet_names(plan),
-                                                     *adapter, *_adapter_names(plan))}
+        return {name: self.params[name] for name in ("vae", "unet", *plan.family.encoders, *plan.models(PREPARE))}
 
     def _denoise_params(self, plan: Plan) -> dict:
-        return {name: self.params[name] for name in ("unet", *_controlnet_names(plan))}
+        return {name: self.params[name] for name in ("unet", *plan.models(DENOISE))}
 
     def _recipe(self, plan: Plan, inputs: Inputs) -> _Recipe:
         """What the plan's programs are made of, and their files (`inputs`: placed, for their shapes and
@@ -699,8 +667,8 @@ class Sampler:
         carry, fixed = programs.prepare(self._prepare_params(plan), inputs)
         if self._unmap_encoders:  # the encoders' file pages leave the process until the next prepare
             jax.block_until_ready((carry, fixed))
-            image = (image_prompt.ENCODER,) if plan.image_prompt else ()
-            weights.unmap([self.params[name] for name in (*plan.family.encoders, *image)])
+            only_prepare = set(plan.models(PREPARE)) - set(plan.models(DENOISE))  # an IP-Adapter's image encoder
+            weights.unmap([self.params[name] for name in (*plan.family.encoders, *sorted(only_prepare))])
         queued = []  # (index output, calls) of denoise calls not yet reported
         for calls in programs.sizes:
             carry, index = programs.denoise[calls](self._denoise_params(plan), carry, fixed)

@@ -3,9 +3,10 @@
     python -m sdx.sample --model M --t2i-adapter A --t2i-adapter-image sketch.png --prompt "..."
 
 Each adapter (`sdx.t2i_adapter.T2IAdapter`) reads its control image once per image, in the prepare program;
-its feature maps times its scale are summed over the adapters (diffusers' MultiAdapter with
-`adapter_weights`) and added inside the UNet's down blocks at every model call the adapters act in
-(`UNet2DConditionModel.__call__`'s `down_intrablock_additional_residuals`), to every guidance branch alike.
+its feature maps times its scale are added inside the UNet's down blocks (`sdx.residuals`, where diffusers adds
+`down_intrablock_additional_residuals`) at every model call it acts in, to every guidance branch alike; several
+adapters' maps add up (diffusers' MultiAdapter with `adapter_weights`). `AdapterImage` is its request part,
+`AdapterPlugin` its program part (`pipelines.plugin`).
 
 - The control image is the user's map (sketch, depth, pose, ...): resized to the generation size with Lanczos
   when it differs, in [0, 1] with no normalisation, RGB, or grayscale (PIL's "L") for a one-channel adapter
@@ -21,12 +22,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from pipelines.control import refuse_edits
+from pipelines.method import Method, per_model, pictures_per_model
+from pipelines.plugin import PREPARE, Batch, Input, ModelCall, Plugin, Ready
+from sdx import residuals
 from sdx.errors import SdxError
+from sdx.interventions import Interventions
 from sdx.t2i_adapter import T2IAdapter, T2IAdapterConfig
 from sdx.unet import CROSS_DOWN, UNetConfig
 
@@ -34,19 +42,70 @@ if TYPE_CHECKING:
     import PIL.Image
 
 
-def adapter_name(k: int) -> str:
-    """The `Sampler.models` key of the k-th T2I-Adapter."""
-    return f"t2i_adapter_{k}"
-
-
 @dataclasses.dataclass(frozen=True)
-class AdapterImage:
+class AdapterImage(Input):
     """One T2I-Adapter's part of a request: image (N, H, W, C) float32 in [0, 1] at the generation size, N = 1
     or one per prompt, C its in_channels; scale: the weight of its feature maps (diffusers'
-    adapter_conditioning_scale, one entry of it with several adapters)."""
+    adapter_conditioning_scale, one entry of it with several adapters); factor: the share of the steps, from the
+    first, it acts in (diffusers' adapter_conditioning_factor)."""
 
     image: np.ndarray
     scale: float = 1.0
+    factor: float = 1.0
+    kind: ClassVar[str] = "t2i_adapter"
+    flag: ClassVar[str] = "--t2i-adapter"
+    image_flag: ClassVar[str] = "--t2i-adapter-image"
+
+    def size(self) -> tuple[int, int]:
+        return tuple(self.image.shape[1:3])
+
+    def check(self, r, pipe, model: str) -> None:
+        refuse_edits(r, pipe.family, "--t2i-adapter: T2I-Adapters", "an adapter")
+        if not 0.0 <= self.factor <= 1.0:
+            raise SdxError(f"--t2i-adapter-factor {self.factor}: the share of the steps the adapters act in, from 0 to 1")
+        c = pipe.sampler.models[model].config
+        if r.height % c.downscale_factor or r.width % c.downscale_factor:
+            raise SdxError(f"--t2i-adapter: this adapter reads images whose sides are multiples of {c.downscale_factor} "
+                           f"pixels; --height {r.height} --width {r.width} are not")
+        if (self.image.ndim != 4 or self.image.shape[0] not in (1, len(r.prompts))
+                or self.image.shape[1:] != (r.height, r.width, c.in_channels)):
+            raise SdxError(f"the T2I-Adapter image's shape {self.image.shape} does not fit {len(r.prompts)} prompt(s) at "
+                           f"{r.height}x{r.width} with {c.in_channels} channel(s)")
+        if not np.isfinite(self.scale):
+            raise SdxError(f"--t2i-adapter-scale {self.scale} must be a finite number")
+
+    def plugin(self, batch: Batch, model: str, pipe) -> AdapterPlugin:
+        # N of `gates`: SDXL's pipeline counts the steps, SD's acts at every model call (PNDM makes one more)
+        gated = gates(self.factor, batch.steps if batch.family.xl else batch.calls, batch.begin, batch.end, batch.cut)
+        return AdapterPlugin(model, batch.take(self.image).astype(np.float32), batch.per_row(self.scale),
+                             np.repeat(gated[None], batch.rows, axis=0))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterPlugin(Plugin):
+    """A T2I-Adapter in the sampler: model, its name in the sampler; image (B, H, W, C) in [0, 1], scale (B,) and
+    gates (B, calls), 1 at the model calls it acts in (traced). Prepare reads the image once; each model call adds
+    the feature maps, gated, inside the UNet's down blocks, to every guidance branch alike."""
+
+    model: str
+    image: jax.Array
+    scale: jax.Array
+    gates: jax.Array
+    traced: ClassVar[tuple[str, ...]] = ("image", "scale", "gates")
+    reads: ClassVar[tuple[str, ...]] = (PREPARE,)
+
+    def prepare(self, models, ready: Ready) -> tuple[jax.Array, ...]:
+        """Its feature maps times its scale, each (B, h_i, w_i, C_i)."""
+        return tuple(_per_row(self.scale, f) * f for f in models[self.model](self.image))
+
+    def contribute(self, models, features: tuple[jax.Array, ...], call: ModelCall) -> Interventions:
+        gate = self.gates[:, call.index]  # (B,)
+        return residuals.adapter(call.unet, [jnp.repeat(f * _per_row(gate, f), call.branches, axis=0) for f in features])
+
+
+def _per_row(values: jax.Array, like: jax.Array) -> jax.Array:
+    """(B,) -> (B, 1, 1, 1) in `like`'s dtype, to scale each row of a (B, h, w, C) map."""
+    return values.astype(like.dtype).reshape(-1, 1, 1, 1)
 
 
 def fit_image(picture: PIL.Image.Image, size: tuple[int, int], channels: int) -> np.ndarray:
@@ -106,26 +165,63 @@ def check_together(configs: Sequence[T2IAdapterConfig], sources: Sequence[str]) 
                        "these differ in their number or size")
 
 
-def check_request(adapters: Sequence[AdapterImage], configs: Sequence[T2IAdapterConfig], prompts: int,
-                  height: int, width: int) -> None:
-    """Refuse a request's adapter images and sizes that the pipeline's adapters cannot take, in the flags' words."""
-    if len(adapters) != len(configs):
-        raise SdxError(f"give one --t2i-adapter-image per --t2i-adapter ({len(configs)}), not {len(adapters)}")
-    for a, c in zip(adapters, configs):
-        if height % c.downscale_factor or width % c.downscale_factor:
-            raise SdxError(f"--t2i-adapter: this adapter reads images whose sides are multiples of {c.downscale_factor} "
-                           f"pixels; --height {height} --width {width} are not")
-        if a.image.ndim != 4 or a.image.shape[0] not in (1, prompts) or a.image.shape[1:] != (height, width, c.in_channels):
-            raise SdxError(f"the T2I-Adapter image's shape {a.image.shape} does not fit {prompts} prompt(s) at "
-                           f"{height}x{width} with {c.in_channels} channel(s)")
-        if not np.isfinite(a.scale):
-            raise SdxError(f"--t2i-adapter-scale {a.scale} must be a finite number")
+class Flags(Method):
+    """`python -m sdx.sample`'s T2I-Adapter flags."""
+
+    title = "T2I-Adapter"
+    flag = AdapterImage.flag
+
+    def add_flags(self, g) -> None:
+        g.add_argument("--t2i-adapter", metavar="MODEL", action="append", default=[],
+                       help="a T2I-Adapter (diffusers folder, hub id, e.g. TencentARC/t2iadapter_sketch_sd14v1, or an "
+                            "original t2iadapter_*.pth file) to guide the model with; repeatable, each with its "
+                            "--t2i-adapter-image")
+        g.add_argument("--t2i-adapter-image", metavar="FILE", action="append", default=[],
+                       help="the map a --t2i-adapter reads (sketch, depth, pose, ...), in the same order; resized to "
+                            "the generation size")
+        g.add_argument("--t2i-adapter-scale", metavar="S", type=float, nargs="+",
+                       help="weight of each adapter's features: one, or one per --t2i-adapter (default 1.0)")
+        g.add_argument("--t2i-adapter-factor", metavar="F", type=float, default=1.0,
+                       help="share of the steps, from the first, that the T2I-Adapters act in (default 1.0)")
+
+    def check(self, args) -> list:
+        """Refuse bad T2I-Adapter flags (and a local adapter whose architecture cannot be read)."""
+        pictures = pictures_per_model(args, "t2i_adapter", "t2i_adapter_image", "an adapter guides one model")
+        n = len(pictures)
+        if not n and (args.t2i_adapter_scale or args.t2i_adapter_factor != 1.0):
+            raise SdxError("--t2i-adapter-scale and --t2i-adapter-factor act on T2I-Adapters: pass --t2i-adapter")
+        if n and not 0.0 <= args.t2i_adapter_factor <= 1.0:
+            raise SdxError(f"--t2i-adapter-factor {args.t2i_adapter_factor}: the share of the steps the adapters act "
+                           "in, from 0 to 1")
+        for scale in per_model(args.t2i_adapter_scale, n, "--t2i-adapter-scale", self.flag) or []:
+            if not np.isfinite(scale):
+                raise SdxError(f"--t2i-adapter-scale {scale} must be a finite number")
+        from convert.t2i_adapter import local_config
+
+        for spec in args.t2i_adapter:
+            if Path(spec).exists():
+                local_config(Path(spec), f"--t2i-adapter {spec}")
+        return pictures
+
+    def load(self, args, cache, log) -> dict:
+        return {"t2i_adapters": tuple(args.t2i_adapter)}
+
+    def pictures(self, read) -> list:
+        return read
+
+    def request(self, args, read, at) -> dict:
+        scales = per_model(args.t2i_adapter_scale, len(read), "--t2i-adapter-scale", self.flag) or [1.0] * len(read)
+        adapters = at.pipe.conditioning_models(AdapterImage.kind)
+        return {"conditioning": [
+            AdapterImage(fit_image(at.cut(p), at.size, adapter.config.in_channels), scale, args.t2i_adapter_factor)
+            for p, adapter, scale in zip(read, adapters, scales)]}
+
+    def png(self, args, request) -> dict:
+        adapters = [one for one in request.conditioning if isinstance(one, AdapterImage)]
+        if not adapters:
+            return {}
+        return {"t2i_adapter": args.t2i_adapter, "t2i_adapter_image": args.t2i_adapter_image,
+                "t2i_adapter_scale": [a.scale for a in adapters], "t2i_adapter_factor": args.t2i_adapter_factor}
 
 
-def features(adapters: Sequence[T2IAdapter], images: Sequence[jax.Array], scales: jax.Array) -> tuple[jax.Array, ...]:
-    """Sum over the adapters of scale_k x adapter_k(image_k), per feature map (B, h_i, w_i, C_i); scales: (adapters,)."""
-    total = None
-    for k, (adapter, image) in enumerate(zip(adapters, images)):
-        maps = [scales[k].astype(f.dtype) * f for f in adapter(image)]
-        total = maps if total is None else [t + f for t, f in zip(total, maps)]
-    return tuple(total)
+FLAGS = Flags()

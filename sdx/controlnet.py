@@ -177,7 +177,8 @@ class ControlNetModel(UNetEncoder):
         encoder_hidden_states (B, S, D), or this model's `text_context` of it; controlnet_cond (B or 1, f*h,
         f*w, C_img) the conditioning image in [0, 1] (f = `config.downscale_factor`, 8), RGB (a "bgr"
         ControlNet flips it itself);
-        conditioning_scale a number or a () array (traced is fine) multiplying every residual; added_cond
+        conditioning_scale a number, a () array (traced is fine) or one per row (B,), multiplying every residual
+        (of its row); added_cond
         as the UNet's for SDXL; guess_mode (static): the residuals are also scaled from 0.1 (first) to 1
         (mid) on a log scale, diffusers' `torch.logspace(-1, 0, n + 1)` (not with global_pool_conditions,
         as in diffusers).
@@ -189,8 +190,9 @@ class ControlNetModel(UNetEncoder):
         c = self.config
         b, rows = self._check_inputs(sample, encoder_hidden_states)
         self._check_image(controlnet_cond, sample)
-        if jnp.ndim(conditioning_scale) != 0:
-            raise SdxError(f"controlnet: conditioning_scale must be one number, not {jnp.shape(conditioning_scale)}")
+        if jnp.ndim(conditioning_scale) != 0 and jnp.shape(conditioning_scale) != (rows,):
+            raise SdxError(f"controlnet: conditioning_scale must be one number or one per row ({rows}), not "
+                           f"{jnp.shape(conditioning_scale)}")
         image = controlnet_cond.astype(self.dtype)
         if c.controlnet_conditioning_channel_order == "bgr":
             image = image[..., ::-1]  # diffusers flips the channel axis
@@ -203,8 +205,9 @@ class ControlNetModel(UNetEncoder):
 
         n = len(residuals)
         steps = np.logspace(-1, 0, n) if guess_mode and not c.global_pool_conditions else np.ones(n)
-        scales = jnp.asarray(conditioning_scale, jnp.float32) * jnp.asarray(steps, jnp.float32)  # (n,)
-        residuals = [r * scales[i].astype(r.dtype) for i, r in enumerate(residuals)]
+        scales = jnp.asarray(conditioning_scale, jnp.float32)[..., None] * jnp.asarray(steps, jnp.float32)  # ([B,] n)
+        per_row = lambda s: s.reshape(-1, 1, 1, 1)  # () or (B,) -> (1 or B, 1, 1, 1)
+        residuals = [r * per_row(scales[..., i]).astype(r.dtype) for i, r in enumerate(residuals)]
         if c.global_pool_conditions:
             residuals = [jnp.mean(r, axis=(1, 2), keepdims=True) for r in residuals]  # (B, 1, 1, C)
         return tuple(residuals[:-1]), residuals[-1]

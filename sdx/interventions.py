@@ -139,7 +139,8 @@ class AttentionCall:
     self-attention, of the text for cross-attention); path: the attention's module path; step: the model
     call's index in the sampler's schedule (a traced int32 scalar), None outside a sampler; calls: the
     schedule's model calls (static), None outside a sampler; rest: the processors still to run, innermost
-    last."""
+    last; q: the queries (B, T, heads, head_dim) when a processor has made them already (`query` makes them
+    otherwise)."""
 
     module: Any
     h: jax.Array
@@ -149,6 +150,7 @@ class AttentionCall:
     step: jax.Array | None = None
     rest: tuple[Processor, ...] = ()
     calls: int | None = None
+    q: jax.Array | None = None
 
     @property
     def share(self) -> jax.Array:
@@ -159,7 +161,9 @@ class AttentionCall:
         return self.step.astype(jnp.float32) / self.calls
 
     def query(self) -> jax.Array:
-        """(B, T, heads, head_dim): to_q of h."""
+        """(B, T, heads, head_dim): to_q of h (`q` when given)."""
+        if self.q is not None:
+            return self.q
         q = self.module.to_q(self.h)
         return q.reshape(q.shape[0], q.shape[1], self.module.heads, self.module.head_dim)
 
@@ -183,6 +187,11 @@ class AttentionCall:
         """to_out of (B, T, H, D) per-head outputs -> (B, T, C)."""
         return self.module.to_out[0](o.reshape(o.shape[0], o.shape[1], -1))  # (B, T, H*D) -> (B, T, C)
 
+    def added_output(self, o: jax.Array) -> jax.Array:
+        """to_out's linear map alone (no bias) of (B, T, H, D) per-head outputs -> (B, T, C): what adding `o` to
+        the attention before to_out adds to its output (to_out(a + o) = to_out(a) + added_output(o))."""
+        return self.module.to_out[0].without_bias(o.reshape(o.shape[0], o.shape[1], -1))  # (B, T, H*D) -> (B, T, C)
+
     def proceed(self, **changes) -> jax.Array:
         """The rest of the chain on this call (with `changes` to its fields, e.g. other values `v=`): the next
         processor, or the plain attention `output(attend(query(), k, v))`."""
@@ -196,7 +205,8 @@ class AttentionCall:
         h, k, v and every processor still to run (`Processor.restrict`)."""
         pick = lambda a: layout.pick(a, which)
         rest = tuple(p for p in (r.restrict(pick) for r in self.rest) if p is not None)
-        return dataclasses.replace(self, h=pick(self.h), k=pick(self.k), v=pick(self.v), rest=rest)
+        q = None if self.q is None else pick(self.q)
+        return dataclasses.replace(self, h=pick(self.h), k=pick(self.k), v=pick(self.v), rest=rest, q=q)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ A CLIP image encoder (`sdx.clip_vision`) embeds the image; the adapter's image p
 embedding into a few tokens of the text context's width; every cross-attention of the UNet attends to those
 tokens with keys and values of its own (`to_k_ip`, `to_v_ip`), from the same queries as the text's, and adds
 that attention times a scale to the text's before its output projection (the paper's decoupled
-cross-attention, eq. 5; diffusers' IPAdapterAttnProcessor2_0). The tokens do not change during sampling, so
-their keys and values are projected once per image, beside the text's (`attach`, `sdx.layers.TextContext`).
+cross-attention, eq. 5; diffusers' IPAdapterAttnProcessor2_0, `sdx.layers.ImagePrompt`). The tokens do not change
+during sampling, so their keys and values are projected once per image (`IPAdapter.keys_values`).
 
 Two image projections, as the released files have them:
 
@@ -20,9 +20,9 @@ Files are the original release's layout, which diffusers' `load_ip_adapter` read
 `ip_adapter.<n>.to_k_ip.weight` / `.to_v_ip.weight`, n = 1, 3, 5, ... numbering the UNet's cross-attentions
 in diffusers' order of its attention processors (down blocks, up blocks, mid block; `cross_attentions`).
 
-The scale is one number, or one per cross-attention from a per-block spec (InstantStyle, Wang et al. 2024:
-`{"up": {"block_0": [0.0, 1.0, 0.0]}}` lets only the style block read the image), expanded by
-`attention_scales` as diffusers' `set_ip_adapter_scale` expands it.
+The scale is one number, or one per cross-attention from site patterns (`attention_scales`); diffusers' per-block
+spec (InstantStyle, Wang et al. 2024: `{"up": {"block_0": [0.0, 1.0, 0.0]}}` lets only the style block read the
+image) is translated into them as diffusers' `set_ip_adapter_scale` expands it (`diffusers_scales`).
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ from flax import nnx
 from sdx import io, weights
 from sdx.attention import dot_product_attention
 from sdx.errors import SdxError
-from sdx.layers import F32, Attention, Compute, LayerNorm, TextContext, linear
+from sdx.interventions import select
+from sdx.layers import F32, Attention, Compute, LayerNorm, linear
 
 PLAIN, PLUS = "plain", "plus"
-Scale = Union[float, Mapping]  # one number, or a per-block spec (`attention_scales`)
+Scale = Union[float, Mapping]  # one number, or site patterns to scales (`attention_scales`)
 PLAIN_TOKENS = 4  # the plain projection's token count (diffusers' load_ip_adapter fixes it too)
 RESAMPLER_HEAD_DIM = 64  # the resampler's head size, which its files do not record
 
@@ -178,58 +179,66 @@ class IPAdapter(nnx.Module):
         adapter, the next-to-last hidden state (B, T, E) for a plus one."""
         return self.image_proj(features.astype(self.compute.dtype))
 
-    def attach(self, unet: nnx.Module, ctx: TextContext, tokens: jax.Array, scales: jax.Array) -> TextContext:
-        """`ctx` (the UNet's `text_context`) with every cross-attention's keys and values of `tokens`
-        (B, tokens, D), B the context's rows, and the scale its attention is added with: `scales` () for
-        all, or (cross-attentions,) one each (`attention_scales`)."""
+    def keys_values(self, unet: nnx.Module, tokens: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """{cross-attention key: its keys and values of the image tokens (B, tokens, D)}, each (B, tokens, heads,
+        head_dim), for every cross-attention of `unet` (`cross_attentions`)."""
         attentions = cross_attentions(unet)
         check_fits(self.config, attentions, "ip-adapter")
-        scales = jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (len(attentions),))
         kv = {}
-        for i, ((key, attention), layer) in enumerate(zip(attentions, self.layers)):
+        for (key, attention), layer in zip(attentions, self.layers):
             split = lambda a: a.reshape(a.shape[0], a.shape[1], attention.heads, attention.head_dim)  # (B, N, H, D)
-            kv[key] = (split(layer.to_k_ip(tokens)), split(layer.to_v_ip(tokens)), scales[i])
-        return dataclasses.replace(ctx, image_kv=kv)
+            kv[key] = (split(layer.to_k_ip(tokens)), split(layer.to_v_ip(tokens)))
+        return kv
 
 
 def attention_scales(scale: Scale, unet: nnx.Module) -> np.ndarray:
-    """(cross-attentions,) float32: the scale of each of `unet`'s `cross_attentions`, from one number or a
-    per-block spec, as diffusers' `set_ip_adapter_scale` expands it (`_maybe_expand_lora_scales`):
-    {"down": S, "mid": S, "up": S}, each part optional (default 0); a part S is one number for all its
-    blocks with attentions or {"block_<i>": V}, blocks left out 0; V is one number for all the block's
-    Transformer2DModels or a list with one per Transformer2DModel (a one-item list counts for all)."""
+    """(cross-attentions,) float32: the scale of each of `unet`'s `cross_attentions`, from one number, or a mapping
+    of site patterns (`sdx.interventions.select`, e.g. "up_blocks.0.attentions.1") to scales: each pattern sets the
+    cross-attentions it selects, a later one over an earlier one; those none selects get 0 (diffusers' per-block
+    dicts: `diffusers_scales`)."""
     keys = [key for key, _ in cross_attentions(unet)]
     if not isinstance(scale, Mapping):
         return np.full(len(keys), scale, np.float32)
-    unknown = sorted(set(scale) - {"down", "mid", "up"})
+    out = np.zeros(len(keys), np.float32)
+    for pattern, value in scale.items():
+        chosen = set(select(keys, pattern, f"--ip-adapter-scale {pattern!r}", kind="cross-attention"))
+        try:
+            out[[i for i, key in enumerate(keys) if key in chosen]] = value
+        except (TypeError, ValueError):
+            raise SdxError(f"--ip-adapter-scale {pattern!r}: {value!r} is not a number") from None
+    return out
+
+
+def diffusers_scales(spec: Mapping, unet: nnx.Module) -> dict[str, float]:
+    """diffusers' per-block `set_ip_adapter_scale` dict as `attention_scales`' site patterns, expanded as diffusers
+    expands it (`_maybe_expand_lora_scales`): {"down": S, "mid": S, "up": S}, each part optional (default 0); a
+    part S is one number for all its blocks with attentions or {"block_<i>": V}, blocks left out 0; V is one number
+    for all the block's Transformer2DModels or a list with one per Transformer2DModel (a one-item list counts for
+    all). One pattern per Transformer2DModel (its cross-attentions)."""
+    unknown = sorted(set(spec) - {"down", "mid", "up"})
     if unknown:
         raise SdxError(f"--ip-adapter-scale: unknown part {unknown[0]!r}; the parts are down, mid and up")
-    per_prefix = {}  # module path prefix of a Transformer2DModel -> its scale
+    out = {}
     for part, group in (("down", "down_blocks"), ("up", "up_blocks")):
         blocks = {i: len(b.attentions) for i, b in enumerate(getattr(unet, group)) if b.attentions is not None}
-        spec = scale.get(part, 0.0)
-        spec = spec if isinstance(spec, Mapping) else {f"block_{i}": spec for i in blocks}
-        wrong = sorted(set(spec) - {f"block_{i}" for i in blocks})
+        given = spec.get(part, 0.0)
+        given = given if isinstance(given, Mapping) else {f"block_{i}": given for i in blocks}
+        wrong = sorted(set(given) - {f"block_{i}" for i in blocks})
         if wrong:
             raise SdxError(f"--ip-adapter-scale: {part} has no {wrong[0]} with attentions; it has "
                            f"{', '.join(f'block_{i}' for i in blocks)}")
         for i, count in blocks.items():
-            values = spec.get(f"block_{i}", 0.0)
+            values = given.get(f"block_{i}", 0.0)
             values = list(values) if isinstance(values, (list, tuple)) else [values]
             if len(values) not in (1, count):
                 raise SdxError(f"--ip-adapter-scale: {part}.block_{i} has {count} transformer(s); give 1 or {count} "
                                f"scales, not {len(values)}")
-            for j, value in enumerate(values * count if len(values) == 1 else values):
-                per_prefix[f"{group}.{i}.attentions.{j}."] = value
-    mid = scale.get("mid", 0.0)
+            out |= {f"{group}.{i}.attentions.{j}": v for j, v in enumerate(values * count if len(values) == 1 else values)}
+    mid = spec.get("mid", 0.0)
     mid = list(mid) if isinstance(mid, (list, tuple)) else [mid]
     if len(mid) != 1:
         raise SdxError(f"--ip-adapter-scale: mid takes one scale, not {len(mid)}")
-    per_prefix["mid_block.attentions.0."] = mid[0]
-    try:
-        return np.asarray([next(v for p, v in per_prefix.items() if key.startswith(p)) for key in keys], np.float32)
-    except (TypeError, ValueError):
-        raise SdxError(f"--ip-adapter-scale {scale}: every scale must be a number") from None
+    return out | ({"mid_block.attentions.0": mid[0]} if unet.mid_block is not None and unet.mid_block.attentions else {})
 
 
 def check_fits(c: IPAdapterConfig, attentions: list[tuple[str, Attention]], where: str) -> None:

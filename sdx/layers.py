@@ -68,6 +68,12 @@ class Linear(nnx.Linear):
         y = super().__call__(x)
         return y if self.lora is None else y + self.lora(x).astype(y.dtype)
 
+    def without_bias(self, x):
+        """The layer's linear map alone: its kernel (and LoRA adapter), no bias."""
+        x, kernel = self.promote_dtype((x, self.kernel[...]), dtype=self.dtype)
+        y = self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+        return y if self.lora is None else y + self.lora(x).astype(y.dtype)
+
 
 def linear(cp: Compute, din: int, dout: int, *, rngs: nnx.Rngs, bias: bool = True) -> Linear:
     return Linear(din, dout, use_bias=bias, dtype=cp.dtype, param_dtype=cp.param_dtype,
@@ -290,9 +296,11 @@ class SkipBlankRows(Processor):
 
 @dataclasses.dataclass(frozen=True)
 class ImagePrompt(Processor):
-    """The built-in processor of a cross-attention an IP-Adapter adapts (`sdx.ip_adapter`): the attention of
-    the same queries over the image tokens' keys and values (B, N, heads, head_dim), times `scale` (),
-    added to the text's before to_out (the paper's decoupled cross-attention)."""
+    """An IP-Adapter's decoupled cross-attention (`sdx.ip_adapter`): the attention of the same queries over the
+    image tokens' keys and values (B, N, heads, head_dim), times `scale` (B,), one per row, added to the text's.
+    diffusers adds it before to_out; to_out being linear, it is added here to the output of the rest of the chain
+    through to_out's kernel alone (`AttentionCall.added_output`), so that several adapters, the blank rows'
+    shortcut and other processors compose."""
 
     keys: jax.Array
     values: jax.Array
@@ -302,11 +310,12 @@ class ImagePrompt(Processor):
 
     def __call__(self, call: AttentionCall) -> jax.Array:
         q = call.query()
-        o = call.attend(q, call.k, call.v)
-        return call.output(o + self.scale.astype(o.dtype) * call.attend(q, self.keys, self.values))
+        image = call.attend(q, self.keys, self.values)  # (B, T, heads, head_dim)
+        scale = self.scale.astype(image.dtype).reshape(-1, 1, 1, 1)  # (B,) -> (B, 1, 1, 1)
+        return call.proceed(q=q) + call.added_output(scale * image)
 
     def restrict(self, pick):
-        return dataclasses.replace(self, keys=pick(self.keys), values=pick(self.values))
+        return dataclasses.replace(self, keys=pick(self.keys), values=pick(self.values), scale=pick(self.scale))
 
 
 @jax.tree_util.register_dataclass
@@ -318,44 +327,33 @@ class TextContext:
 
     states: (B, S, D); kv: {attention key: (keys, values), each (B, S, heads, head_dim)}; blank: the rows
     whose text may be blank (static), and is_blank () bool, whether it is: then those rows' cross-attentions
-    are not computed (`SkipBlankRows`). image_kv: an IP-Adapter's keys and values of its image tokens for the
-    cross-attentions it adapts and the scale each adds their attention with, {attention key: (keys, values,
-    scale)}, keys and values (B, N, heads, head_dim), scale () float32 (`ImagePrompt`, `sdx.ip_adapter`); None
-    without one. interventions: the call's processors and hooks, None without any."""
+    are not computed (`SkipBlankRows`). interventions: the call's processors and hooks (an IP-Adapter's
+    `ImagePrompt`s among them), None without any."""
 
     states: jax.Array
     kv: dict[str, tuple[jax.Array, jax.Array]]
     blank: BlankRows | None = dataclasses.field(default=None, metadata={"static": True})
     is_blank: jax.Array | None = None
-    image_kv: dict[str, tuple[jax.Array, jax.Array, jax.Array]] | None = None
     interventions: Interventions | None = None
 
     def only(self, keys, paths=()) -> TextContext:
         """This context with the projections of `keys` alone and the processors of `paths` alone (what one
         block passes on)."""
-        keys = tuple(keys)
-        image = None if self.image_kv is None else {k: self.image_kv[k] for k in keys if k in self.image_kv}
         own = None if self.interventions is None else self.interventions.only(paths)
-        return dataclasses.replace(self, kv={k: self.kv[k] for k in keys}, image_kv=image, interventions=own)
+        return dataclasses.replace(self, kv={k: self.kv[k] for k in keys}, interventions=own)
 
     def rows(self, layout: Rows, which: tuple[int, ...]) -> TextContext:
         """This context for rows `which` of each period of `layout` alone (a call on some guidance branches):
         every per-row array picked, the blank rows' shortcut left out."""
         pick = lambda a: layout.pick(a, which)
-        image = None if self.image_kv is None else {k: (pick(a), pick(b), s) for k, (a, b, s) in self.image_kv.items()}
         own = None if self.interventions is None else self.interventions.restrict(pick)
-        return TextContext(pick(self.states), jax.tree.map(pick, self.kv), None, None, image, own)
+        return TextContext(pick(self.states), jax.tree.map(pick, self.kv), None, None, own)
 
     def processors(self, key: str | None, reads: bool) -> tuple[Processor, ...]:
         """The processors of the attention `key` (`reads`: whether it reads this context), outermost first:
-        the interventions', then the built-in one (`ImagePrompt` where an IP-Adapter adapts it, else
-        `SkipBlankRows` where rows may be blank)."""
+        the interventions', then, where rows may be blank, `SkipBlankRows`."""
         chain = () if self.interventions is None else self.interventions.attention.get(key, ())
-        if reads and self.image_kv is not None and key in self.image_kv:
-            return (*chain, ImagePrompt(*self.image_kv[key]))
-        if reads and self.blank is not None:
-            return (*chain, SkipBlankRows(self.blank, self.is_blank))
-        return chain
+        return (*chain, SkipBlankRows(self.blank, self.is_blank)) if reads and self.blank is not None else chain
 
 
 class Attention(nnx.Module):

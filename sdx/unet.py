@@ -22,6 +22,8 @@ rules for every field of diffusers' file are in `sdx.diffusers_config`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -30,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sdx import diffusers_config, presets
+from sdx import diffusers_config, presets, residuals
 from sdx.config import (
     COUNT,
     COUNT_LIST,
@@ -292,7 +294,8 @@ class DownBlock2D(nnx.Module):
     `down_block_types` says so for this level.
 
     Returns the output and the skip connections it leaves for the up path (one per resnet, plus the
-    downsampled output).
+    downsampled output). Each transformer's output is a site (`down_blocks.<i>.attentions.<j>`) whose hooks, in
+    the context, see it before the skip is taken (where a T2I-Adapter adds its feature map, `sdx.residuals`).
     """
 
     def __init__(self, cp: Compute, c: UNetConfig, level: int, cin: int, *, rngs: nnx.Rngs):
@@ -311,37 +314,25 @@ class DownBlock2D(nnx.Module):
         self.downsamplers = (
             None if last else nnx.List([Downsample2D(cp, cout, padding=c.downsample_padding, rngs=rngs)])
         )
+        self.index = level
 
-    def __call__(self, x, temb, context, residual=None):
-        """residual: a T2I-Adapter's feature map for this block, or None. As in diffusers, a block with
-        attentions adds it to its last attention's output (before the downsampler), a block without to its
-        own output (after the downsampler); either way the skip connection taken there carries it."""
+    def __call__(self, x, temb, context):
+        hooks = _hooks(context)
         skips = []
-        last = len(self.resnets) - 1
         for i, resnet in enumerate(self.resnets):
             x = resnet(x, temb)
             if self.attentions is not None:
-                x = self.attentions[i](x, context)
-                if i == last and residual is not None:
-                    x = _add_intrablock(x, residual)
+                (x,) = hooked(hooks, f"down_blocks.{self.index}.attentions.{i}", self.attentions[i](x, context))
             skips.append(x)
         if self.downsamplers is not None:
             x = self.downsamplers[0](x)
             skips.append(x)
-        if self.attentions is None and residual is not None:
-            x = _add_intrablock(x, residual)
-            skips[-1] = x
         return x, tuple(skips)
 
 
-def _add_intrablock(x: jax.Array, residual: jax.Array) -> jax.Array:
-    """x + a T2I-Adapter feature map of its shape; x computed once for consecutive rows that share it is
-    widened to the feature's rows first."""
-    x = widen(x, residual.shape[0])
-    if residual.shape != x.shape:
-        raise SdxError(f"unet: a T2I-Adapter feature map of shape {tuple(residual.shape)} meets the UNet's activation "
-                       f"{tuple(x.shape)} (an adapter made for another UNet?)")
-    return x + residual.astype(x.dtype)
+def _hooks(context) -> Interventions | None:
+    """The interventions a `TextContext` carries (None for a plain context array)."""
+    return context.interventions if isinstance(context, TextContext) else None
 
 
 class MidBlock2D(nnx.Module):
@@ -363,7 +354,8 @@ class MidBlock2D(nnx.Module):
     def __call__(self, x, temb, context):
         x = self.resnets[0](x, temb)
         if self.attentions is not None:
-            x = self.resnets[1](self.attentions[0](x, context), temb)
+            (x,) = hooked(_hooks(context), "mid_block.attentions.0", self.attentions[0](x, context))
+            x = self.resnets[1](x, temb)
         return x
 
 
@@ -413,13 +405,13 @@ class UpBlock2D(nnx.Module):
     def __call__(self, x, skips, temb, context, upsample_size: tuple[int, int] | None = None):
         """The hooks of each resnet's site `up_blocks.<i>.resnets.<j>.skip` (`sdx.interventions`), in the
         context, see (hidden states, skip) before they are concatenated."""
-        hooks = context.interventions if isinstance(context, TextContext) else None
+        hooks = _hooks(context)
         for j, resnet in enumerate(self.resnets):
             x, skip = hooked(hooks, f"up_blocks.{self.index}.resnets.{j}.skip", x, widen(skips[-1 - j], x.shape[0]))
             x = jnp.concatenate([x, skip], axis=-1)  # (B, H, W, C + C_skip), diffusers' order
             x = resnet(x, temb)
             if self.attentions is not None:
-                x = self.attentions[j](x, context)
+                (x,) = hooked(hooks, f"up_blocks.{self.index}.attentions.{j}", self.attentions[j](x, context))
         if self.upsamplers is not None:
             up = self.upsamplers[0]
             if upsample_size is None:
@@ -479,12 +471,16 @@ class UNetEncoder(nnx.Module):
     def sites(self) -> dict[str, str]:
         """{name: kind} of every place an intervention can act on (`sdx.interventions`), in module order:
         each attention by its path, of kind "self" or "cross" (diffusers' `is_cross_attention`: attn2, and
-        attn1 with only_cross_attention), and each block's output (`down_blocks.<i>`, `mid_block`,
-        `up_blocks.<i>`, kind "block"); a UNet adds its up blocks' skip concatenations (kind "skip")."""
+        attn1 with only_cross_attention), each transformer's output (`down_blocks.<i>.attentions.<j>`,
+        `mid_block.attentions.0`, kind "transformer") and each block's output (`down_blocks.<i>`, `mid_block`,
+        kind "block"); a UNet adds its up blocks' transformers, skip concatenations (kind "skip") and outputs."""
         attentions = [m for _, m in nnx.iter_graph(self) if isinstance(m, Attention)]
         found = {m.key: "cross" if m.reads_context else "self" for m in attentions}
-        found |= {f"down_blocks.{i}": "block" for i in range(len(self.down_blocks))}
-        return found | ({"mid_block": "block"} if self.mid_block is not None else {})
+        for i, block in enumerate(self.down_blocks):
+            found |= _transformer_sites(f"down_blocks.{i}", block) | {f"down_blocks.{i}": "block"}
+        if self.mid_block is not None:
+            found |= _transformer_sites("mid_block", self.mid_block) | {"mid_block": "block"}
+        return found
 
     def text_context(self, encoder_hidden_states: jax.Array, blank: BlankRows | None = None) -> TextContext:
         """encoder_hidden_states (B, S, D) with the keys and values of every attention that reads it
@@ -580,24 +576,18 @@ class UNetEncoder(nnx.Module):
             return rematerialised(lambda b, *a: b(*a, **static), block, *args)
         return block(*args, **static)
 
-    def _down(self, x, temb, context, features=()) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-        """The down blocks on conv_in's output x: (their output, the skip connections: x, then each block's).
-        features: T2I-Adapter feature maps, one for each of the first blocks (`DownBlock2D`)."""
+    def _down(self, x, temb, context) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+        """The down blocks on conv_in's output x: (their output, the skip connections: x, then each block's)."""
         skips: tuple = (x,)
-        hooks = context.interventions if isinstance(context, TextContext) else None
         for i, block in enumerate(self.down_blocks):
-            x, res = hooked(hooks, f"down_blocks.{i}",
-                            *self._run(block, x, temb, context, features[i] if i < len(features) else None))
+            x, res = hooked(_hooks(context), f"down_blocks.{i}", *self._run(block, x, temb, context))
             skips += res
         return x, skips
 
 
-def _add_residual(name: str, x: jax.Array, residual: jax.Array) -> jax.Array:
-    """x + a ControlNet residual of x's shape, or one that broadcasts to it ((B, 1, 1, C) when pooled)."""
-    shape = tuple(residual.shape)
-    if len(shape) != 4 or any(r not in (1, s) for r, s in zip(shape, x.shape)):
-        raise SdxError(f"unet: {name} has shape {shape}, the UNet's activation there is {tuple(x.shape)}")
-    return x + residual.astype(x.dtype)
+def _transformer_sites(prefix: str, block) -> dict[str, str]:
+    """The "transformer" sites of a block: its transformers' outputs, none without attentions."""
+    return {f"{prefix}.attentions.{j}": "transformer" for j in range(len(block.attentions or ()))}
 
 
 def guidance_scale_embedding(w: jax.Array, dim: int) -> jax.Array:
@@ -630,7 +620,7 @@ class UNet2DConditionModel(UNetEncoder):
         found = super().sites()
         for i, block in enumerate(self.up_blocks):
             found |= {f"up_blocks.{i}.resnets.{j}.skip": "skip" for j in range(len(block.resnets))}
-            found[f"up_blocks.{i}"] = "block"
+            found |= _transformer_sites(f"up_blocks.{i}", block) | {f"up_blocks.{i}": "block"}
         return found
 
     def __call__(
@@ -659,64 +649,46 @@ class UNet2DConditionModel(UNetEncoder):
         float32 rounding. Not for a model whose time embedding reads the pooled text (SDXL), where nothing
         comes before the text.
 
-        down_block_additional_residuals, mid_block_additional_residual: a ControlNet's outputs
-        (`sdx.controlnet.ControlNetModel`, in the order it returns them), both or neither. As in diffusers'
-        forward, the first are added to the skip connections once the down blocks have run, the second
-        to the mid block's output.
-
-        down_intrablock_additional_residuals: a T2I-Adapter's feature maps (`sdx.t2i_adapter`), each (B, H_i,
-        W_i, C_i) with B the context's rows: one per down block, in order (`DownBlock2D`), and one more for
-        the mid block's output (SDXL's adapters). As in diffusers, from the first down block on.
+        diffusers' residual arguments, translated into hooks on the sites where diffusers adds them
+        (`sdx.residuals`): down_block_additional_residuals and mid_block_additional_residual, a ControlNet's
+        outputs (`sdx.controlnet.ControlNetModel`, in the order it returns them), both or neither;
+        down_intrablock_additional_residuals, a T2I-Adapter's feature maps (`sdx.t2i_adapter`), each (B, H_i,
+        W_i, C_i) with B the context's rows: one per down block from the first, and one more for the mid
+        block's output (SDXL's adapters).
 
         timestep_cond: (B, time_cond_proj_dim), an LCM UNet's guidance embedding (`guidance_scale_embedding` of
         w - 1, as diffusers' pipelines build it), B the sample's rows; None: none added (as diffusers).
         """
+        added = residuals.from_diffusers(self, down_block_additional_residuals, mid_block_additional_residual,
+                                         down_intrablock_additional_residuals)
+        context = self.with_interventions(encoder_hidden_states, interventions, added)
+        return self.forward(sample, timesteps, context, added_cond, timestep_cond)
+
+    def with_interventions(self, context, outer: Interventions | None, inner: Interventions | None = None):
+        """`context` (an array, or this model's `text_context`) carrying `outer` outside its own interventions
+        and `inner` inside them (a `TextContext`, made when there are any)."""
+        if outer is None and inner is None:
+            return context
+        context = context if isinstance(context, TextContext) else self.text_context(context)
+        layers = [one for one in (outer, context.interventions, inner) if one is not None]
+        return dataclasses.replace(context, interventions=functools.reduce(operator.or_, layers))
+
+    def forward(self, sample: jax.Array, timesteps, context, added_cond=None, timestep_cond=None) -> jax.Array:
+        """`__call__` with everything that changes the model in the context's interventions."""
         c = self.config
-        if (down_block_additional_residuals is None) != (mid_block_additional_residual is None):
-            raise SdxError(
-                "unet: down_block_additional_residuals and mid_block_additional_residual come together "
-                "(a ControlNet's two outputs)"
-            )
-        b, rows = self._check_inputs(sample, encoder_hidden_states)
-        hh, ww = sample.shape[1:3]
-        ctx = encoder_hidden_states
-        if interventions is not None:
-            ctx = ctx if isinstance(ctx, TextContext) else self.text_context(ctx)
-            own = ctx.interventions
-            ctx = dataclasses.replace(ctx, interventions=interventions if own is None else interventions | own)
-        hooks = ctx.interventions if isinstance(ctx, TextContext) else None
+        b, rows = self._check_inputs(sample, context)
         x = sample.astype(self.dtype)
         if c.center_input_sample:
             x = 2 * x - 1.0
         temb = self._embed(timesteps, b, added_cond, timestep_cond)
-        features = tuple(down_intrablock_additional_residuals)
-        if len(features) > c.levels + (self.mid_block is not None):
-            raise SdxError(f"unet: {len(features)} down_intrablock_additional_residuals for {c.levels} down blocks"
-                           f"{' and a mid block' if self.mid_block is not None else ''} (an adapter made for another UNet?)")
-        x, skips = self._down(self.conv_in(x), temb, ctx, features)
-        if down_block_additional_residuals is not None:
-            if len(down_block_additional_residuals) != len(skips):
-                raise SdxError(
-                    f"unet: {len(down_block_additional_residuals)} down_block_additional_residuals for "
-                    f"{len(skips)} skip connections (a ControlNet made for another UNet?)"
-                )
-            skips = tuple(
-                _add_residual(f"down_block_additional_residuals[{i}]", widen(s, rows), r)
-                for i, (s, r) in enumerate(zip(skips, down_block_additional_residuals))
-            )
+        x, skips = self._down(self.conv_in(x), temb, context)
         if self.mid_block is not None:
-            (x,) = hooked(hooks, "mid_block", self._run(self.mid_block, x, temb, ctx))
-            if len(features) > c.levels:
-                x = _add_intrablock(x, features[c.levels])
-        if mid_block_additional_residual is not None:
-            x = _add_residual("mid_block_additional_residual", widen(x, rows), mid_block_additional_residual)
-
-        odd = hh % c.downscale_factor or ww % c.downscale_factor
+            (x,) = hooked(_hooks(context), "mid_block", self._run(self.mid_block, x, temb, context))
+        odd = sample.shape[1] % c.downscale_factor or sample.shape[2] % c.downscale_factor
         for i, block in enumerate(self.up_blocks):
             n = len(block.resnets)
             res, skips = skips[-n:], skips[:-n]
             size = tuple(skips[-1].shape[1:3]) if odd and i < len(self.up_blocks) - 1 else None
-            (x,) = hooked(hooks, f"up_blocks.{i}", self._run(block, x, res, temb, ctx, upsample_size=size))
-
+            (x,) = hooked(_hooks(context), f"up_blocks.{i}", self._run(block, x, res, temb, context, upsample_size=size))
         x = jax.nn.silu(self.conv_norm_out(x))
         return widen(self.conv_out(x), rows)

@@ -217,12 +217,13 @@ def test_residuals_are_checked():
         shapes(x, t, ctx, None, down, None)
     with pytest.raises(SdxError, match="5 down_block_additional_residuals for 6"):
         shapes(x, t, ctx, None, down[:-1], mid)
-    with pytest.raises(SdxError, match=r"down_block_additional_residuals\[1\] has shape"):
+    with pytest.raises(SdxError, match=r"down_block_additional_residuals\[1\] of shape \(2, 4, 4, 64\) meets"):
         shapes(x, t, ctx, None, (down[0], down[4], *down[2:]), mid)
     with pytest.raises(SdxError, match="controlnet_cond must be"):
         nnx.eval_shape(lambda m: m(x, t, ctx, image[:, :32], 1.0), cn)
-    with pytest.raises(SdxError, match="conditioning_scale must be one number"):
-        nnx.eval_shape(lambda m: m(x, t, ctx, image, np.ones(2, np.float32)), cn)
+    assert nnx.eval_shape(lambda m: m(x, t, ctx, image, np.ones(2, np.float32)), cn)[1].shape == mid.shape  # per row
+    with pytest.raises(SdxError, match=r"conditioning_scale must be one number or one per row \(2\), not \(3,\)"):
+        nnx.eval_shape(lambda m: m(x, t, ctx, image, np.ones(3, np.float32)), cn)
 
 
 # ---- loading -----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from convert.library import ensure_sdx_folder
 from pipelines.control import Control
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
-from pipelines.sampler import controlnet_name
+from pipelines.plugin import model_name
 from sdx import mesh as meshlib
 from sdx.layers import Attention
 from sdx.sample import main
@@ -254,7 +254,7 @@ def test_each_model_call_reads_the_projections_prepare_made(tiny, controlnet, tm
     keys_values = Attention.keys_values
     monkeypatch.setattr(Attention, "keys_values", lambda m, ctx: projected.append(ctx.shape[1]) or keys_values(m, ctx))
     pipe(Request(prompts=["a lighthouse"], height=32, width=32, steps=3, guidance_scale=5.0,
-                 controls=[Control(np.zeros((1, 32, 32, 3), np.float32))]))
-    readers = [m for model in (pipe.sampler.models["unet"], pipe.sampler.models[controlnet_name(0)])
+                 conditioning=[Control(np.zeros((1, 32, 32, 3), np.float32))]))
+    readers = [m for model in (pipe.sampler.models["unet"], pipe.sampler.models[model_name("controlnet", 0)])
                for _, m in model._reading_text()]
     assert projected.count(77) == len(readers) > 0

@@ -133,15 +133,16 @@ def test_per_block_scales_match_diffusers(case):
     for spec in SPECS[case]:
         IPAdapterMixin.set_ip_adapter_scale(types.SimpleNamespace(unet=reference), spec)
         theirs = [reference.attn_processors[f"{name}.processor"].scale[0] for name in names]
-        np.testing.assert_array_equal(IP.attention_scales(spec, model), np.float32(theirs), err_msg=str(spec))
+        ours = IP.attention_scales(IP.diffusers_scales(spec, model), model)
+        np.testing.assert_array_equal(ours, np.float32(theirs), err_msg=str(spec))
         assert len(set(theirs)) > 1  # the spec tells blocks apart
     with pytest.raises(SdxError, match="no block_7"):
-        IP.attention_scales({"up": {"block_7": 1.0}}, model)
+        IP.diffusers_scales({"up": {"block_7": 1.0}}, model)
     with pytest.raises(SdxError, match="unknown part 'middle'"):
-        IP.attention_scales({"middle": 1.0}, model)
+        IP.diffusers_scales({"middle": 1.0}, model)
     with pytest.raises(SdxError, match="give 1 or"):
         block = next(i for i, b in enumerate(model.up_blocks) if b.attentions is not None)
-        IP.attention_scales({"up": {f"block_{block}": [1.0] * 7}}, model)
+        IP.diffusers_scales({"up": {f"block_{block}": [1.0] * 7}}, model)
 
 
 def test_attention_order_is_diffusers_processor_order():

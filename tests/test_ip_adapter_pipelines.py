@@ -21,7 +21,6 @@ import torch
 from PIL import Image
 
 from convert.library import ensure_sdx_folder
-from pipelines import image_prompt
 from pipelines.image_prompt import ImagePrompt
 from pipelines.pipeline import Pipeline
 from pipelines.request import Request
@@ -143,20 +142,20 @@ def test_scale_is_an_input_and_zero_is_no_adapter(tiny, tmp_path):
     _, picture = prompt_picture(tmp_path)
     folder = ensure_sdx_folder(folder, cache_dir=tmp_path)
     plain = Pipeline.load(folder)
-    adapted = Pipeline.load(folder, ip_adapter=str(weights))  # the encoder: image_encoder/ beside the file
-    prompt = ImagePrompt(image_prompt.prepare([picture], adapted.image_encoder))
+    adapted = Pipeline.load(folder, ip_adapters=(str(weights),))  # the encoder: image_encoder/ beside the file
+    prompt = ImagePrompt.of([picture], adapted)
     request = Request(prompts=["a kite"], height=64, width=64, steps=2, batch_size=1)
-    images = {scale: adapted(dataclasses.replace(request, image_prompt=dataclasses.replace(prompt, scale=scale)))
+    images = {scale: adapted(dataclasses.replace(request, conditioning=[dataclasses.replace(prompt, scale=scale)]))
               for scale in (1.0, 0.5, 0.0)}
     assert adapted.sampler.compilations == 1
     np.testing.assert_array_equal(images[0.0], plain(request))
     moved = np.abs(images[1.0] - images[0.5]).mean()
     print(f"scale 1 against 0.5 moves the images by {moved:.3f} mean (scale 0 against no adapter: equal)")
     assert moved > 0.01
-    with pytest.raises(SdxError, match="give the image it reads"):
+    with pytest.raises(SdxError, match=r"give one --ip-adapter-image per --ip-adapter \(1\), not 0"):
         adapted(request)
-    with pytest.raises(SdxError, match="has no IP-Adapter"):
-        plain(dataclasses.replace(request, image_prompt=prompt))
+    with pytest.raises(SdxError, match=r"give one --ip-adapter-image per --ip-adapter \(0\), not 1"):
+        plain(dataclasses.replace(request, conditioning=[prompt]))
 
 
 def test_hub_file_fetches_the_encoder_beside_it(tmp_path, monkeypatch):

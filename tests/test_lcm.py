@@ -20,6 +20,7 @@ from flax import nnx
 
 from pipelines import guidance
 from pipelines.family import family_of
+from pipelines.request import image_keys
 from pipelines.sampler import Stream
 from sdx import unet as U
 from tests.test_pipelines import latent_shape, noise_file, reference, sample
@@ -67,7 +68,7 @@ def test_an_embedded_guidance_scale_runs_no_guidance_branch():
 
 def sdx_step_noise(seed: int, images: int, call: int, shape_nchw) -> torch.Tensor:
     """The noise sdx's sampler draws for each image at model call `call` (NCHW, for diffusers)."""
-    keys = [jax.random.fold_in(jax.random.PRNGKey(seed), j) for j in range(images)]
+    keys = image_keys(seed, images)
     draw = lambda k: jax.random.normal(jax.random.fold_in(jax.random.fold_in(k, int(Stream.STEP_NOISE)), call),
                                        (shape_nchw[2], shape_nchw[3], shape_nchw[1]), jnp.float32)
     return torch.from_numpy(np.stack([np.asarray(draw(k)) for k in keys]).transpose(0, 3, 1, 2))

@@ -1,4 +1,4 @@
-"""Image j's randomness comes from its own key, `fold_in(PRNGKey(seed), j)`: its initial noise, every
+"""Image j's randomness comes from its own key, that of seed + j (`pipelines.request.image_keys`): its initial noise, every
 stochastic sampler step's noise and img2img's VAE posterior sample. So image j is the same at any batch
 size, with or without guidance, on one device or split over four (fake CPU devices, in a subprocess).
 The cases compare the final latents (`output_latents`): every draw is made before them, and decoding them

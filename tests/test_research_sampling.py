@@ -28,7 +28,7 @@ BATCH_SIZES = (1, 3)
 def _asked(case: str, scale: float) -> dict:
     """The request fields of `case` at `scale` (every scale of the case moves with it)."""
     if case == "freeu_pag":  # classifier-free guidance, so the batch is [uncond, text, perturbed] per image
-        return {"guidance": PerturbedAttention(("mid", "up_blocks.1"), scale, scale / 1000),
+        return {"guidance": PerturbedAttention(("mid_block", "up_blocks.1"), scale, scale / 1000),
                 "interventions": (FreeU(1 + scale / 10, 1.4, 0.9, 0.2),)}
     return {"guidance": SelfAttention(scale)}
 

@@ -132,8 +132,8 @@ def test_sdxl_conditioning_factor_over_a_cut_schedule(tiny, adapter, tmp_path):
     ours_pipe = Pipeline.load(ensure_sdx_folder(folder, cache_dir=tmp_path), t2i_adapters=(str(adapter_folder),),
                               mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
     request = Request(prompts=["a lighthouse"], height=48, width=64, steps=8, guidance_scale=5.0,
-                      latents=noise.numpy(), denoising_end=0.7, output_latents=True, adapter_factor=0.6,
-                      adapters=[AdapterImage(fit_image(picture, (48, 64), 3))])
+                      latents=noise.numpy(), denoising_end=0.7, output_latents=True,
+                      conditioning=[AdapterImage(fit_image(picture, (48, 64), 3), factor=0.6)])
     assert_parity(Output(None, ours_pipe(request)), ref)
     assert_effect("--t2i-adapter-factor 0.6 (against 0.5: the adapter acts in one call fewer)", ref, run(0.5))
 
@@ -148,12 +148,12 @@ def test_img2img_with_an_adapter(tiny, adapter, tmp_path):
     _, picture = control_image(tmp_path, (64, 64))
     pipe = Pipeline.load(ensure_sdx_folder(folder, cache_dir=tmp_path), t2i_adapters=(str(adapter_folder),),
                          mesh=meshlib.make_mesh(devices=jax.devices()[:1]))
-    plain_pipe = dataclasses.replace(pipe, t2i_adapters=())  # the same models, the adapter not asked for
+    plain_pipe = dataclasses.replace(pipe, conditioners={})  # the same models, the adapter not asked for
     request = Request(prompts=["a meadow"], height=64, width=64, steps=STEPS, strength=0.6,
                       image=np.asarray(image, np.float32)[None] / 127.5 - 1)
     plain = plain_pipe(request)
-    adapted = lambda scale: pipe(dataclasses.replace(request, adapters=[AdapterImage(fit_image(picture, (64, 64), 3),
-                                                                                     scale)]))  # noqa: E731
+    adapted = lambda scale: pipe(dataclasses.replace(  # noqa: E731
+        request, conditioning=[AdapterImage(fit_image(picture, (64, 64), 3), scale)]))
     zero, guided = adapted(0.0), adapted(3.0)
     assert pipe.sampler.compilations == 2  # plain img2img's programs, then the adapter's for both scales
     err, moved = np.abs(zero - plain).max(), np.abs(guided - plain).mean()

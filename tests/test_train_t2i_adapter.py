@@ -146,7 +146,7 @@ def test_adapter_trains_resumes_exactly_and_loads_in_sdx_and_diffusers(tmp_path,
     control = (data.load_image(root / "control.png", 32)[None] + 1) / 2
     pipe = Pipeline.load(model, t2i_adapters=(str(a),))
     out = pipe(Request(prompts=["shape 1"], height=32, width=32, steps=2, seed=0, guidance_scale=7.5,
-                       adapters=[AdapterImage(image=control)]))
+                       conditioning=[AdapterImage(image=control)]))
     grid = np.asarray(Image.open(a / "validation" / "step-000004.png"))
     assert np.abs((out[0] * 255).round().astype(int) - grid).max() <= 1
 

@@ -115,7 +115,7 @@ class ControlNetTask(diffusion.DiffusionTask):
 
     def validation_inputs(self) -> dict:
         prompts, images = validation_pairs(self.cfg)
-        return {"prompts": prompts, "controls": [Control(image=images)]}
+        return {"prompts": prompts, "conditioning": [Control(image=images)]}
 
     def export(self, module: nnx.Module, out: Path) -> None:
         net = self.trained(module)["controlnet"]

@@ -31,8 +31,7 @@ from flax import nnx
 from pipelines import text as textlib
 from pipelines.guidance import null_conditioning
 from pipelines.pipeline import NonFiniteImages, Pipeline
-from pipelines.sampler import controlnet_name
-from pipelines.t2i_adapter import adapter_name
+from pipelines.plugin import model_name
 from pipelines.request import Request
 from sdx import mesh as meshlib
 from sdx import lora, model_folder, schedulers
@@ -197,19 +196,18 @@ class DiffusionTask:
         trained = self.trained(module)
         if self.cfg.rank:
             trained = {n: lora.fused(model) for n, model in trained.items()}
-        nets = (trained.pop("controlnet"),) if "controlnet" in trained else ()
-        adapters = (trained.pop("t2i_adapter"),) if "t2i_adapter" in trained else ()
+        # a trained ControlNet or T2I-Adapter is the pipeline's first of its kind (`pipelines.plugin.model_name`)
+        conditioners = {kind: (model_name(kind, 0),) for kind in ("controlnet", "t2i_adapter") if kind in trained}
+        extra = {names[0]: trained.pop(kind) for kind, names in conditioners.items()}
         if self._pipeline is None:
             self._pipeline = Pipeline.from_models(
-                {"vae": m.vae, **m.encoders, **trained}, family=m.family, tokenizers=m.tokenizers, mesh=self.mesh,
-                scheduler=schedulers.from_config(m.scheduler_config), name=name, controlnets=nets,
-                t2i_adapters=adapters)
+                {"vae": m.vae, **m.encoders, **trained, **extra}, family=m.family, tokenizers=m.tokenizers,
+                mesh=self.mesh, scheduler=schedulers.from_config(m.scheduler_config), name=name,
+                conditioners=conditioners)
         else:
-            named = {**trained, **{controlnet_name(k): net for k, net in enumerate(nets)},
-                     **{adapter_name(k): adapter for k, adapter in enumerate(adapters)}}
-            for n, model in named.items():
+            for n, model in {**trained, **extra}.items():
                 self._pipeline.sampler.update(n, model)
-            self._pipeline = dataclasses.replace(self._pipeline, name=name, controlnets=nets, t2i_adapters=adapters)
+            self._pipeline = dataclasses.replace(self._pipeline, name=name)
         return self._pipeline
 
     def validate(self, module: nnx.Module, step: int, metrics) -> None:

@@ -97,7 +97,7 @@ class T2IAdapterTask(diffusion.DiffusionTask):
 
     def validation_inputs(self) -> dict:
         prompts, images = controlnet.validation_pairs(self.cfg)
-        return {"prompts": prompts, "adapters": [AdapterImage(image=images)]}
+        return {"prompts": prompts, "conditioning": [AdapterImage(image=images)]}
 
     def export(self, module: nnx.Module, out: Path) -> None:
         adapter = self.trained(module)["t2i_adapter"]

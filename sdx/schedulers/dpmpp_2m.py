@@ -85,6 +85,15 @@ def dpmpp_coefficients(order: int, sigmas: np.ndarray, i: int, solver_type: str,
     return c_x, np.array([phi_1, 0, 0]) + phi_2 * d1 + phi_3 * d2, std
 
 
+def check_dpm_fields(sched) -> None:
+    """Refuse a DPM-Solver config field value diffusers' multistep, singlestep and EDM classes share but sdx does not
+    implement (naming the class and the field)."""
+    cls = type(sched)
+    check_field(cls, "algorithm_type", sched.algorithm_type, ("dpmsolver++", "sde-dpmsolver++"))
+    check_field(cls, "solver_type", sched.solver_type, ("midpoint", "heun"))
+    check_field(cls, "solver_order", sched.solver_order, (1, 2, 3))
+
+
 def multistep_rows(sched, sigmas: np.ndarray, calls: int, begin: int, end: int, scales=vp_from_sigma) -> dict:
     """Rows "c_x", "c_m", "std" of calls [begin, end) of a DPM-Solver++ multistep sampler `sched` (its fields
     solver_order, solver_type, lower_order_final, euler_at_final, final_sigmas_type, and sde_third_order where
@@ -137,10 +146,8 @@ class DPMSolverMultistep(Scheduler):
     def __post_init__(self):
         super().__post_init__()
         cls = type(self)
-        check_field(cls, "algorithm_type", self.algorithm_type, ("dpmsolver++", "sde-dpmsolver++"))
+        check_dpm_fields(self)
         check_field(cls, "sde_third_order", self.sde_third_order, ("diffusers", "k-diffusion"))
-        check_field(cls, "solver_type", self.solver_type, ("midpoint", "heun"))
-        check_field(cls, "solver_order", self.solver_order, (1, 2, 3))
         check_field(cls, "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
 
     def _schedule(self, n):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sdx.schedulers.common import Scheduler, check_field, multistep_ladder, train_sigmas, vp_from_sigma, x0_coefficients
-from sdx.schedulers.dpmpp_2m import DPMSolverMultistep, exponential_step, log_snr
+from sdx.schedulers.dpmpp_2m import DPMSolverMultistep, check_dpm_fields, exponential_step, log_snr
 
 
 def order_list(steps: int, order: int, lower_order_final: bool, final_zero: bool) -> list[int]:
@@ -91,9 +91,7 @@ class DPMSolverSinglestep(Scheduler):
     def __post_init__(self):
         super().__post_init__()
         cls = type(self)
-        check_field(cls, "algorithm_type", self.algorithm_type, ("dpmsolver++", "sde-dpmsolver++"))
-        check_field(cls, "solver_type", self.solver_type, ("midpoint", "heun"))
-        check_field(cls, "solver_order", self.solver_order, (1, 2, 3))
+        check_dpm_fields(self)
         check_field(cls, "final_sigmas_type", self.final_sigmas_type, ("zero", "sigma_min"))
         check_field(cls, "timestep_spacing", self.timestep_spacing, ("linspace",))
         check_field(cls, "steps_offset", self.steps_offset, (0,))

@@ -14,8 +14,8 @@ import dataclasses
 import numpy as np
 
 from sdx.errors import SdxError
-from sdx.schedulers.common import _torch_linspace_f32, check_field
-from sdx.schedulers.dpmpp_2m import DPMSolverMultistep, multistep_rows
+from sdx.schedulers.common import _torch_linspace_f32
+from sdx.schedulers.dpmpp_2m import DPMSolverMultistep, check_dpm_fields, multistep_rows
 from sdx.schedulers.edm import EDMScheduler
 
 
@@ -38,10 +38,7 @@ class EDMDPMSolverMultistep(EDMScheduler):
 
     def __post_init__(self):
         super().__post_init__()
-        cls = type(self)
-        check_field(cls, "algorithm_type", self.algorithm_type, ("dpmsolver++", "sde-dpmsolver++"))
-        check_field(cls, "solver_type", self.solver_type, ("midpoint", "heun"))
-        check_field(cls, "solver_order", self.solver_order, (1, 2, 3))
+        check_dpm_fields(self)
         if self.stochastic and self.solver_order == 3:
             raise SdxError("scheduler config: EDMDPMSolverMultistepScheduler solver_order=3 with algorithm_type="
                            "'sde-dpmsolver++' is not supported (diffusers' third-order EDM step has no SDE form)")
