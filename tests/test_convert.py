@@ -384,7 +384,7 @@ def test_python_m_convert_exits_2_without_traceback(tmp_path):
 
 @pytest.mark.parametrize("args, expected", [
     (["SRC", "/proc/sdx-out"], "OUT /proc/sdx-out: it does not exist and cannot be made in /proc: it is on proc"),
-    (["SRC", "/proc/m.safetensors", "--format", "single-file"], "cannot write in /proc"),
+    (["SRC", "/proc/m.safetensors", "--format", "single-file"], "cannot be made in /proc: it is on proc"),
     (["SRC", "FULL"], "FULL exists and is not empty; pass --overwrite"),
     (["SRC", "FULL", "--format", "diffusers"], "not empty; pass --overwrite"),
     (["SRC", "FILE"], "exists and is not a folder"),

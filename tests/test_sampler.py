@@ -454,7 +454,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_xl, tmp_path, capsys, args, expec
         (["--output", "/proc/sdx-out"], "cannot be made in /proc: it is on proc"),
         (["--output", "NOT_AN_IMAGE/x.png"], "is a file, not a folder"),
         (["--grid", "/proc/grid.png"], "cannot write in /proc"),
-        (["--cache", "/proc/sdx-cache"], "cannot write in /proc"),
+        (["--cache", "/proc/sdx-cache"], "--cache /proc/sdx-cache: it does not exist and cannot be made in /proc"),
         (["--output", "EXISTING"], "exists; pass --overwrite"),
     ],
 )
