@@ -22,7 +22,6 @@ from pathlib import Path
 
 import httpx2
 from huggingface_hub import constants, hf_hub_download, list_repo_files, snapshot_download
-from huggingface_hub.utils import get_session
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -33,6 +32,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import get_session
 
 from convert.diffusers_folder import MODEL_INDEX, needed_files, parse_model_index
 from sdx import io
@@ -145,8 +145,9 @@ def hub_errors(where: str, *, missing: str) -> Iterator[None]:
         raise SdxError(f"{where}: revision not found") from None
     except LocalEntryNotFoundError:
         how = _why_offline() if _offline() else "the hub could not be reached"
-        raise SdxError(f"{where}: not in the local cache, and {how}; give a local folder or file instead, or fetch "
-                       "it once where the hub answers (the cache then serves it; HF_HUB_OFFLINE=1 skips the hub)") from None
+        raise SdxError(f"{where}: not in the local cache, and {how}; give a local folder or file instead, or "
+                       "fetch it once where the hub answers (the cache then serves it; HF_HUB_OFFLINE=1 skips the "
+                       "hub)") from None
     except EntryNotFoundError:
         raise SdxError(f"{where}: {missing}") from None
     except HFValidationError as e:

@@ -27,7 +27,7 @@ EXTRAS = {  # [project.optional-dependencies] that commands need, by the package
     "train": {"orbax.checkpoint": "orbax-checkpoint", "grain": "grain", "pyarrow": "pyarrow",
               "tensorboardX": "tensorboardX", "absl": "absl-py"},
 }
-REPO = Path(__file__).resolve().parent.parent  # a checkout's root, where `make venv` puts .venv
+REPO = Path(__file__).resolve().parent.parent  # a checkout's root (with the Makefile), where `make venv` puts .venv
 VENV = REPO / ".venv"
 
 
@@ -54,17 +54,18 @@ def _venv_has(distributions: list[str]) -> bool:
     return bool(installed) and {_name(d) for d in distributions} <= installed
 
 
-def problem(extra: str | None = None, *, required: bool = True) -> str | None:
-    """What a command lacks (sdx's dependencies unless not `required`, and `extra`'s) and what to do, in one
-    sentence; None when nothing is missing."""
+def problem(extra: str | None = None, *, required: bool = True, command: str = "") -> str | None:
+    """What this Python lacks (sdx's dependencies unless not `required`, and `extra`'s) and what to do, in one
+    sentence (about `python -m command` when given); None when nothing is missing."""
     lacking = missing(REQUIRED) if required else []
     extra_lacking = missing(EXTRAS[extra]) if extra else []
     if not lacking and not extra_lacking:
         return None
     what = ([f"sdx's dependencies ({', '.join(lacking)})"] if lacking else []) + \
         ([f"the `{extra}` extra ({', '.join(extra_lacking)})"] if extra_lacking else [])
-    command = f"python -m {_module()}" if _module() else "sdx"
-    said = f"{command}: {sys.executable or 'this Python'} lacks {' and '.join(what)}"
+    said = f"{f'python -m {command}: ' if command else ''}{sys.executable or 'this Python'} lacks {' and '.join(what)}"
+    if not (REPO / "Makefile").is_file():  # an installed package, not a checkout
+        return f"{said}; install them into it: pip install {' '.join(lacking + extra_lacking)}"
     here = Path.cwd().resolve() == REPO
     venv = Path(".venv") if here else VENV
     ours = Path(sys.prefix).resolve() == VENV.resolve()  # the running Python is the repository's .venv
@@ -91,8 +92,9 @@ def check_command() -> None:
     when a dependency of sdx, or of the extra PACKAGE's commands need, is missing. Anywhere else: nothing."""
     if sys.argv[:1] != ["-m"]:
         return
-    package = _module().split(".")[0]
-    message = problem(package if package in EXTRAS else None)
+    module = _module()
+    package = module.split(".")[0]
+    message = problem(package if package in EXTRAS else None, command=module)
     if message:
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)

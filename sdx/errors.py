@@ -56,9 +56,8 @@ class ArgumentParser(argparse.ArgumentParser):
         parsed, unknown = self.parse_known_args(args, namespace)
         if unknown:
             flags = long_flags(self)
-            near = {word: difflib.get_close_matches(word, flags, n=1) for word in
-                    (word.split("=", 1)[0] for word in unknown if word.startswith("--"))}
-            guesses = [(word, match[0]) for word, match in near.items() if match]
+            typed = [word.split("=", 1)[0] for word in unknown if word.startswith("--")]
+            guesses = [(word, near[0]) for word in typed if (near := difflib.get_close_matches(word, flags, n=1))]
             said = ", ".join(match if len(guesses) == 1 else f"{match} for {word}" for word, match in guesses)
             self.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {said}?)" if said else ""))
         return parsed

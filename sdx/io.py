@@ -136,7 +136,7 @@ def _why_not_writable(folder: Path, e: OSError) -> str:
 
 # file systems the kernel makes up from its own state, where no user file can be written
 SPECIAL_FILE_SYSTEMS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
-                        "configfs", "pstore", "bpf", "efivarfs", "mqueue", "hugetlbfs", "fusectl", "binfmt_misc"}
+                        "configfs", "pstore", "bpf", "efivarfs", "fusectl", "binfmt_misc"}
 
 
 def file_system(path: Path) -> str:

@@ -266,7 +266,8 @@ def _embedding(out: Path, build) -> None:
     """An A1111 textual-inversion file (`emb_params`, two vectors) for the SD 1.5 stand-in's text encoder."""
     from safetensors.numpy import save_file
 
-    config = json.loads((build("stable-diffusion-v1-5/stable-diffusion-v1-5") / "text_encoder" / "config.json").read_text())
+    sd15 = build("stable-diffusion-v1-5/stable-diffusion-v1-5")
+    config = json.loads((sd15 / "text_encoder" / "config.json").read_text())
     vectors = np.random.default_rng(0).normal(size=(2, config["hidden_size"])).astype(np.float32)
     save_file({"emb_params": vectors}, str(out))
 

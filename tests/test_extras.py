@@ -65,11 +65,19 @@ def _checkout(tmp_path: Path, venv: bool) -> Path:
     repo = tmp_path / "repo"
     for pkg in ("sdx", "convert", "pipelines", "train"):
         shutil.copytree(REPO / pkg, repo / pkg, ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    shutil.copy(REPO / "Makefile", repo)
     if venv:
         site = repo / ".venv" / "lib" / "python3.11" / "site-packages"
         for name in [*dependencies.REQUIRED.values(), *(d for e in dependencies.EXTRAS.values() for d in e.values())]:
             (site / f"{name.replace('-', '_')}-1.0.dist-info").mkdir(parents=True)
     return repo
+
+
+def _bare_python(repo: Path, command: str) -> subprocess.CompletedProcess:
+    """`python -S -m COMMAND --help` in `repo`: without site-packages, this Python has none of sdx's dependencies
+    (as a machine's bare python3)."""
+    return subprocess.run([sys.executable, "-S", "-m", command, "--help"], cwd=repo, capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=60)
 
 
 ENTRY_POINTS = ["sdx.sample", "convert", "pipelines.cli", "convert.default_models", "train.shapes",
@@ -79,10 +87,7 @@ ENTRY_POINTS = ["sdx.sample", "convert", "pipelines.cli", "convert.default_model
 @pytest.mark.parametrize("venv", [False, True], ids=["no-venv", "venv-has-them"])
 @pytest.mark.parametrize("command", ENTRY_POINTS)
 def test_a_command_run_by_a_python_without_the_dependencies_says_what_to_do(tmp_path, command, venv):
-    """`python -S` has no site-packages, so none of sdx's dependencies (as a machine's bare python3)."""
-    repo = _checkout(tmp_path, venv)
-    proc = subprocess.run([sys.executable, "-S", "-m", command, "--help"], cwd=repo, capture_output=True, text=True,
-                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, timeout=60)
+    proc = _bare_python(_checkout(tmp_path, venv), command)
     trainer = command.startswith("train.")
     _one_error_line(proc, f"python -m {command}: {sys.executable} lacks sdx's dependencies (jax, flax, ", "pillow",
                     *(["the `train` extra (orbax-checkpoint"] if trainer else []))
@@ -90,6 +95,13 @@ def test_a_command_run_by_a_python_without_the_dependencies_says_what_to_do(tmp_
         assert "the repository's .venv has them: use .venv/bin/python, or `source .venv/bin/activate`" in proc.stderr
     else:
         assert f"run `make venv{'-train' if trainer else ''}` here" in proc.stderr, proc.stderr
+
+
+def test_an_installed_package_without_its_dependencies_says_what_to_install(tmp_path):
+    repo = _checkout(tmp_path, venv=False)
+    (repo / "Makefile").unlink()  # sdx installed somewhere, not a checkout
+    proc = _bare_python(repo, "sdx.sample")
+    _one_error_line(proc, "lacks sdx's dependencies", "; install them into it: pip install jax flax ")
 
 
 def test_a_trainer_told_to_use_the_venv_that_has_the_extra(tmp_path):

@@ -1,14 +1,16 @@
 """The shapes world the default models learn: one shape of one colour on a plain background of another.
 
-    python -m train.shapes captions OUT --count 10000 --seed 0 [--size 64] [--format parquet|imagefolder] [--look outline]
+    python -m train.shapes captions OUT --count 10000 --seed 0 [--size 64] [--format parquet|imagefolder]
+        [--look outline]
     python -m train.shapes edits OUT --count 10000 --seed 0 [--size 64]
+    python -m train.shapes draw "a red circle on a blue background" OUT.png [--size 64] [--scale 0.25]
 
 `captions` writes a text-to-image dataset ("a red circle on a blue background"), `edits` InstructPix2Pix
 pairs ("make the circle green", "make the background white", "turn the circle into a square"; the rest
-of the picture unchanged). `--look outline` draws the captions' shapes as outlines, a look the default models never
-saw (the README's LoRA learns it). Example i is drawn from `np.random.default_rng([seed, i])` alone, so a
-dataset is reproducible and the same whatever the number of shards. Bad input ends with one `error:` line
-and exit status 2.
+of the picture unchanged), `draw` one centred picture. `--look outline` draws the shapes as outlines, a look
+the default models never saw (the README's LoRA learns it). Example i is drawn from
+`np.random.default_rng([seed, i])` alone, so a dataset is reproducible and the same whatever the number of
+shards. Bad input ends with one `error:` line and exit status 2.
 
 Geometry (fractions of the image side, y down): every shape has the same area for the same `scale`
 (its area over the image's), so a shape change keeps the area and the centre. The square has side
