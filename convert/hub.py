@@ -6,12 +6,17 @@ config.json and its chosen safetensors weights (the `variant`, e.g. fp16, when a
 `.bin`/`.ckpt` pickles, never the other variant), the tokenizer folders and the scheduler config. With
 HF_HUB_OFFLINE=1 (or when the hub cannot be reached) the cached snapshot is used as it is. Anything
 that stops the fetch is one SdxError naming the repo id.
+
+The hub is asked once per process whether it answers (`reachable`: HF_ENDPOINT, `PROBE_SECONDS`), before
+the first request; when it does not, huggingface_hub is put offline for the rest of the process, so a machine
+without the hub gets the cache, or one error line, in seconds instead of a request retried five times.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +32,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.utils import get_session
 
 from convert.diffusers_folder import MODEL_INDEX, needed_files, parse_model_index
 from sdx import io
@@ -41,8 +47,45 @@ def looks_like_repo_id(text: str) -> bool:
     return bool(_REPO_ID.match(text)) and ".." not in text
 
 
+PROBE_SECONDS = 3.0  # how long the one probe of the hub waits for an answer
+_unreachable: str | None = None  # why the probe found the hub unreachable (it then ran, and the process is offline)
+_probed = False
+
+
 def _offline() -> bool:
     return constants.is_offline_mode()
+
+
+def reachable() -> bool:
+    """Whether the hub answers: asked once per process (unless HF_HUB_OFFLINE is set), any HTTP answer within
+    `PROBE_SECONDS` counting (a slow name lookup included: the probe runs in a thread of its own). When it does
+    not answer, huggingface_hub is offline for the rest of the process: the local cache serves what it holds,
+    and nothing waits on the network again."""
+    global _probed, _unreachable
+    if not _probed and not _offline():
+        _probed = True
+        failed: list[str] = []
+
+        def probe() -> None:
+            try:
+                get_session().head(constants.ENDPOINT, timeout=PROBE_SECONDS)
+            except (httpx2.TransportError, OSError) as e:
+                failed.append(_one_line(e))
+            else:
+                failed.append("")
+
+        thread = threading.Thread(target=probe, name="sdx-hub-probe", daemon=True)
+        thread.start()
+        thread.join(PROBE_SECONDS)
+        if not failed or failed[0]:
+            _unreachable = f"{constants.ENDPOINT} gave no answer ({failed[0] if failed else f'in {PROBE_SECONDS:g} s'})"
+            constants.HF_HUB_OFFLINE = True
+    return not _offline()
+
+
+def _why_offline() -> str:
+    """Why the hub is not asked: the probe's finding, or HF_HUB_OFFLINE."""
+    return f"the hub is unreachable: {_unreachable}" if _unreachable else "HF_HUB_OFFLINE is set"
 
 
 def _one_line(e: BaseException) -> str:
@@ -73,13 +116,14 @@ def fetch(
             return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
         # Offline: the cached snapshot, as it is; the folder reader reports what it lacks.
         index_path = Path(hf_hub_download(repo_id, MODEL_INDEX, local_files_only=True, **kw))
+        log(f"{where}: {_why_offline()}; using the cached snapshot")
         return index_path.parent
 
 
 def _online_listing(repo_id: str, revision, token, where: str, log) -> list[str] | None:
     """The repo's file list, or None when offline (HF_HUB_OFFLINE) or the hub cannot be reached: the
     callers then fall back to the local cache."""
-    if _offline():
+    if not reachable():
         return None
     try:
         return list_repo_files(repo_id, revision=revision, token=token)
@@ -100,8 +144,10 @@ def hub_errors(where: str, *, missing: str) -> Iterator[None]:
     except RevisionNotFoundError:
         raise SdxError(f"{where}: revision not found") from None
     except LocalEntryNotFoundError:
-        how = "HF_HUB_OFFLINE is set" if _offline() else "the hub could not be reached"
-        raise SdxError(f"{where}: not in the local cache and {how}") from None
+        how = _why_offline() if _offline() else "the hub could not be reached"
+        raise SdxError(f"{where}: not in the local cache, and {how}; give a local folder or file instead, or "
+                       "fetch it once where the hub answers (the cache then serves it; HF_HUB_OFFLINE=1 skips the "
+                       "hub)") from None
     except EntryNotFoundError:
         raise SdxError(f"{where}: {missing}") from None
     except HFValidationError as e:
@@ -151,4 +197,5 @@ def fetch_files(
             return Path(snapshot_download(repo_id, allow_patterns=wanted, token=token, **kw))
         folder = Path(snapshot_download(repo_id, local_files_only=True, **kw))
         choose(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
+        log(f"{where}: {_why_offline()}; using the cached snapshot")
         return folder

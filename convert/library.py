@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from convert import controlnet, controlnet_folder, export, hub, sdx_folder
+from convert import builtin_models, controlnet, controlnet_folder, export, hub, sdx_folder
 from convert.sources import (
     Log,
     ModelOptions,
@@ -62,6 +62,7 @@ def convert(
         raise SdxError(f"{out}: the output must differ from the source")
     check_source(src, config=options.config, preset=options.preset)
     check_output(Path(out), fmt, overwrite=overwrite)
+    src = builtin_models.folder(str(src), default_cache_dir() / "models", log) or src
     if variant is None:
         variant = default_variant(dtype)
     changes = resolved(options, variant=variant, cache_dir=cache_dir, log=log)
@@ -160,8 +161,10 @@ def ensure_sdx_folder(
             key += f"\0config\0{identity(Path(options.config))}"
         if options.preset is not None:
             key += f"\0preset\0{options.preset}"
-    elif path.exists() or looks_local(str(src)) or not hub.looks_like_repo_id(str(src)):
+    elif path.exists():
         raise SdxError(f"{src}: not an sdx folder, diffusers folder or single-file checkpoint, nor a hub id")
+    elif looks_local(str(src)) or not hub.looks_like_repo_id(str(src)):
+        raise builtin_models.unknown(str(src))
     else:
         if options.single_file_only:
             raise SdxError(f"--config/--preset apply to single-file checkpoints; {src} is a hub repo")

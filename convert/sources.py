@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from convert import diffusers_folder, hub, sdx_folder
+from convert import builtin_models, diffusers_folder, hub, sdx_folder
 from convert.checkpoint import Checkpoint
 from sdx import model_folder, presets
 from sdx.errors import SdxError
@@ -131,19 +131,19 @@ def read_source(
 
 
 def check_source(src: str | os.PathLike, *, config: str | os.PathLike | None = None, preset: str | None = None) -> None:
-    """What `read_source` can refuse without reading: a source that is neither a file, a folder nor a hub
-    id; --config or --preset for anything but a single file; a --config that is not a folder; an unknown
-    --preset."""
+    """What `read_source` can refuse without reading: a source that is neither a file, a folder, a built-in
+    model's name nor a hub id; --config or --preset for anything but a single file; a --config that is not a
+    folder; an unknown --preset."""
     path = Path(src)
     if not path.is_file():
         if config is not None or preset is not None:
             flag = "--config" if config is not None else "--preset"
             raise SdxError(f"{flag} applies to single-file checkpoints; {src} is not one (its configs are its own)")
-        if not path.is_dir():
+        if not path.is_dir() and str(src) not in builtin_models.NAMES:
             if path.exists() or path.is_symlink():
                 raise SdxError(f"{src}: neither a folder nor a file")
             if looks_local(str(src)) or not hub.looks_like_repo_id(str(src)):
-                raise SdxError(f"{src}: no such file or folder (and not a hub id of the form org/name)")
+                raise builtin_models.unknown(str(src))
     if config is not None and not Path(config).is_dir():
         raise SdxError(f"--config {config}: not a folder (a diffusers-layout folder with the config.json files)")
     if preset is not None:

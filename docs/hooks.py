@@ -1,9 +1,11 @@
-"""MkDocs hooks (mkdocs.yml `hooks:`): the flag tables of the documentation, generated from the commands' parsers.
+"""The flag tables of the documentation, generated from the commands' parsers, and the MkDocs hook (mkdocs.yml
+`hooks:`) that refuses to build a page whose tables are stale.
 
-A page's line `<!-- flags: python -m train.pix2pix -->` becomes that command's flags, one table per topic (the
-parser's argument groups), each flag with the sentence and default its `--help` prints (`sdx.errors.HelpFormatter`
-writes both), so a table cannot drift from the code: a flag renamed, added or given another default is renamed,
-added or changed here at the next build. tests/test_docs.py builds the site (`mkdocs build --strict`) and uses
+A page holds each command's flags between `<!-- flags: python -m train.pix2pix -->` and `<!-- end of flags -->`:
+one table per topic (the parser's argument groups), each flag with the sentence and default its `--help` prints
+(`sdx.errors.HelpFormatter` writes both), written into the Markdown itself so that a reader on a forge or in an
+editor sees them. `python docs/hooks.py --write` rewrites them after a flag is renamed, added or given another
+default; tests/test_docs.py fails while one is stale, builds the site (`mkdocs build --strict`) and uses
 `COMMANDS` to check the flags of the commands the pages show but do not run.
 """
 
@@ -14,6 +16,10 @@ import dataclasses
 import html
 import importlib
 import re
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +46,8 @@ COMMANDS = {
     "python -m train.shapes_eval": Command("train.shapes_eval"),
 }
 
-MARKER = re.compile(r"^<!-- flags: (?P<command>[^>]+?) -->$", re.M)
+TABLES = re.compile(r"^<!-- flags: (?P<command>[^>]+?) -->\n(?P<tables>.*?)^<!-- end of flags -->$", re.M | re.S)
+WRITE = "python docs/hooks.py --write"
 
 
 def flags(action: argparse.Action, formatter: argparse.HelpFormatter) -> str:
@@ -77,11 +84,40 @@ def flag_tables(command: str) -> str:
     return "\n".join(out)
 
 
-def on_page_markdown(markdown: str, page, config, files) -> str:
-    def table(match: re.Match) -> str:
+def current(markdown: str, where: str) -> str:
+    """`markdown` with the tables between each page's markers generated anew."""
+    def tables(match: re.Match) -> str:
         command = match["command"]
         if command not in COMMANDS:
-            raise KeyError(f"{page.file.src_path}: no parser for {command!r}; add it to COMMANDS in docs/hooks.py")
-        return flag_tables(command)
+            raise KeyError(f"{where}: no parser for {command!r}; add it to COMMANDS in docs/hooks.py")
+        return f"<!-- flags: {command} -->\n\n{flag_tables(command)}\n<!-- end of flags -->"
 
-    return MARKER.sub(table, markdown)
+    return TABLES.sub(tables, markdown)
+
+
+def stale(pages) -> list[Path]:
+    """Those of `pages` whose flag tables differ from what the parsers give now."""
+    return [page for page in pages if current(page.read_text(), str(page)) != page.read_text()]
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    if current(markdown, page.file.src_path) != markdown:
+        raise ValueError(f"docs/{page.file.src_path}: its flag tables are stale; run `{WRITE}`")
+    return markdown
+
+
+def main(argv: list[str]) -> int:
+    """`python docs/hooks.py --write`: rewrite the stale tables of every page; `--check`: list them, status 1."""
+    if argv not in (["--write"], ["--check"]):
+        print(f"usage: {WRITE} | --check", file=sys.stderr)
+        return 2
+    old = stale(sorted(DOCS.rglob("*.md")))
+    for page in old:
+        if argv == ["--write"]:
+            page.write_text(current(page.read_text(), str(page)))
+        print(f"{'rewrote' if argv == ['--write'] else 'stale:'} {page.relative_to(DOCS.parent)}")
+    return 1 if old and argv == ["--check"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -339,6 +339,7 @@ def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> list[Path]:
+    from convert import default_models
     from convert.library import default_cache_dir
     from convert.sources import ModelOptions
     from pipelines.pipeline import NonFiniteImages
@@ -367,9 +368,12 @@ def run(args: argparse.Namespace) -> list[Path]:
     first = None if args.refiner else lambda pipe: _request(todo[0], pipe)[0]
     pipes = _load(args, resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options), mesh, cache,
                   log, first)
+    sizes = set()
     for job in todo:  # every request is checked against the model before the progress bar opens
         job.args.model = args.model
-        _request(job, pipes[0])
+        request = _request(job, pipes[0])[0]
+        sizes.add((request.height, request.width))
+    default_models.warn_other_size(args.model, sizes, pipes[0].default_size)
 
     count = sum(len(job.paths) for job in todo)
     bar = None

@@ -1,7 +1,8 @@
 """What `--model` (and `Pipeline.load`, and the trainers' `--pretrained_model_name_or_path`) takes, as an sdx
-folder: a shipped default model's name (`default`, `default-edit`), a random-weight demo model's (`tiny`,
-`tiny_xl`), an sdx folder, a diffusers folder, a single-file checkpoint or a hub id. Anything but an sdx
-folder, and anything with LoRAs, a VAE or embeddings, is converted once into the cache.
+folder: a built-in model's name (`convert.builtin_models`: the shipped default models `default`, `default-edit`,
+the random-weight demo models `tiny`, `tiny_xl`), an sdx folder, a diffusers folder, a single-file checkpoint or
+a hub id. Anything but an sdx folder, and anything with LoRAs, a VAE or embeddings, is converted once into the
+cache.
 
     folder = resolve_model("default", dtype="float32", cache=default_cache_dir(), log=print)
 """
@@ -14,20 +15,13 @@ from pathlib import Path
 def resolve_model(spec: str, *, dtype: str, cache: Path, log, options=None, variant=None, revision=None) -> Path:
     """An sdx folder for `spec`, with `options` (a `convert.sources.ModelOptions`: LoRAs, VAE, embeddings,
     config folder) applied in a cached conversion under `cache`/models (`variant`, `revision`: of a hub id).
-    A name is a default or demo model unless a file or folder of that name exists."""
+    A name is a built-in model unless a file or folder of that name exists."""
+    from convert import builtin_models
     from convert.library import ensure_sdx_folder
     from convert.sources import ModelOptions
-    from pipelines import default_models
-    from pipelines.demo import DEMO_MODELS, demo_folder
 
     options = options or ModelOptions()
-    named = None
-    if spec in default_models.NAMES and not Path(spec).exists():
-        log(f"{spec}: the shipped default model (trained by sdx on its shapes world)")
-        named = default_models.folder(spec, cache / "models")
-    elif spec in DEMO_MODELS and not Path(spec).exists():
-        log(f"{spec}: the embedded demo model (random weights, no download)")
-        named = demo_folder(spec, cache / "models")
+    named = builtin_models.folder(spec, cache / "models", log)
     if named is not None:
         if options.empty:
             return named

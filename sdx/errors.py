@@ -5,6 +5,7 @@ that escapes is a bug in sdx and keeps its traceback.
 """
 
 import argparse
+import difflib
 import logging
 import os
 import sys
@@ -42,18 +43,38 @@ def shown(value) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one `error:` line and exit status 2, like every other sdx error, and whose
-    `--help` shows the defaults (`HelpFormatter`). hint: appended to the message, e.g. " (see python -m convert
-    --help)"."""
+    """argparse whose usage errors are one `error:` line and exit status 2, like every other sdx error, whose
+    `--help` shows the defaults (`HelpFormatter`), and which names the flag an unknown one is near ("did you mean
+    --steps?"). hint: appended to the message, e.g. " (see python -m convert --help)"."""
 
     def __init__(self, *args, hint: str = "", **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
         self.hint = hint
 
+    def parse_args(self, args=None, namespace=None):
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            flags = long_flags(self)
+            typed = [word.split("=", 1)[0] for word in unknown if word.startswith("--")]
+            guesses = [(word, near[0]) for word in typed if (near := difflib.get_close_matches(word, flags, n=1))]
+            said = ", ".join(match if len(guesses) == 1 else f"{match} for {word}" for word, match in guesses)
+            self.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" (did you mean {said}?)" if said else ""))
+        return parsed
+
     def error(self, message):
         print(f"error: {message}{self.hint}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def long_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every `--flag` of `parser` and of its subcommands' parsers."""
+    flags = []
+    for action in parser._actions:
+        flags += [flag for flag in action.option_strings if flag.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            flags += [flag for sub in action.choices.values() for flag in long_flags(sub)]
+    return flags
 
 
 def run_command(body: Callable[[], int | None]) -> int:

@@ -118,7 +118,39 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
     try:
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise SdxError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None
+        where = f"cannot write in {folder}" if folder == path else f"it does not exist and cannot be made in {folder}"
+        raise SdxError(f"{flag} {path}: {where}: {_why_not_writable(folder, e)}; choose another {flag}") from None
+
+
+def _why_not_writable(folder: Path, e: OSError) -> str:
+    """The reason a new file cannot be made in the existing folder `folder`, from the error that said so."""
+    kind = file_system(folder)
+    if e.errno == errno.EROFS:
+        return f"it is on a read-only file system{f' ({kind})' if kind else ''}"
+    if kind in SPECIAL_FILE_SYSTEMS:  # /proc says "no such file", /sys "permission denied" (even to root)
+        return f"it is on {kind}, a file system the kernel makes of its own state, which takes no files"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return "this user may not write there (permission denied)"
+    return e.strerror or str(e)
+
+
+# file systems the kernel makes up from its own state, where no user file can be written
+SPECIAL_FILE_SYSTEMS = {"proc", "sysfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+                        "configfs", "pstore", "bpf", "efivarfs", "fusectl", "binfmt_misc"}
+
+
+def file_system(path: Path) -> str:
+    """The type of the file system `path` is on (Linux: /proc/self/mounts, the longest mount point above it), or ""
+    where that cannot be read."""
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [line.split()[1:3] for line in f if len(line.split()) > 2]
+    except OSError:
+        return ""
+    target = os.path.realpath(path)
+    above = [(point, kind) for point, kind in mounts
+             if target == point or target.startswith(point.rstrip("/") + "/")]
+    return max(above, key=lambda m: len(m[0]))[1] if above else ""
 
 
 # --------------------------------------------------------------------------------------------------

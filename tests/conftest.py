@@ -105,11 +105,11 @@ def _run_folder(tmp_path_factory, name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_build(tmp_path_factory):
-    """demo_build(name, where) -> what `pipelines.demo.demo_folder(name, where)` gives (the sdx folder of
+    """demo_build(name, where) -> what `convert.demo.demo_folder(name, where)` gives (the sdx folder of
     demo model `name`, random weights from seed 0, in `where`), copied from one build per test run: the
     first worker to ask builds it (about 20 s each) in a folder every pytest-xdist worker of the run sees,
     under a lock; the others wait for it and copy it."""
-    from pipelines.demo import demo_folder
+    from convert.demo import demo_folder
 
     shared = _run_folder(tmp_path_factory, "demo-builds")
 

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from benchmarks import memory
-from pipelines.demo import random_parts
+from convert.demo import random_parts
 from sdx import presets
 
 

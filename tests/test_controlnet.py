@@ -235,7 +235,7 @@ def test_hub_id_fp16_variant_and_compute_dtype(tmp_path, monkeypatch):
     torch_model.save_pretrained(tmp_path / "repo" / "controlnet")
     torch_model.half().save_pretrained(tmp_path / "repo" / "controlnet", variant="fp16")
     fake = FakeHub("org/controlnet", tmp_path / "repo", tmp_path / "cache")
-    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda: True)  # the hub answers
     for name in ("list_repo_files", "snapshot_download"):
         monkeypatch.setattr(hub, name, getattr(fake, name))
     model = load_controlnet("org/controlnet", dtype="bfloat16")  # a 16-bit dtype reads the fp16 variant

@@ -238,7 +238,7 @@ def test_hub_id_fetches_only_the_controlnet(saved, tmp_path, monkeypatch):
     shutil.copy(repo / "diffusion_pytorch_model.safetensors", repo / "diffusion_pytorch_model.fp16.safetensors")
     (repo / "control_sd15.pth").write_bytes(b"not read")
     fake = FakeHub("org/controlnet", repo, tmp_path / "cache")
-    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda: True)  # the hub answers
     for name in ("list_repo_files", "snapshot_download"):
         monkeypatch.setattr(hub, name, getattr(fake, name))
     out = library.convert("org/controlnet", tmp_path / "out")

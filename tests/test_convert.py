@@ -383,8 +383,8 @@ def test_python_m_convert_exits_2_without_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["SRC", "/proc/sdx-out"], "OUT /proc/sdx-out: cannot write in /proc"),
-    (["SRC", "/proc/m.safetensors", "--format", "single-file"], "cannot write in /proc"),
+    (["SRC", "/proc/sdx-out"], "OUT /proc/sdx-out: it does not exist and cannot be made in /proc: it is on proc"),
+    (["SRC", "/proc/m.safetensors", "--format", "single-file"], "cannot be made in /proc: it is on proc"),
     (["SRC", "FULL"], "FULL exists and is not empty; pass --overwrite"),
     (["SRC", "FULL", "--format", "diffusers"], "not empty; pass --overwrite"),
     (["SRC", "FILE"], "exists and is not a folder"),
@@ -402,6 +402,9 @@ def test_python_m_convert_exits_2_without_traceback(tmp_path):
     (["SRC", "out", "--config", "/nonexistent/config"], "--config"),
     (["SRC", "out", "--preset", "sd21"], "--preset applies to single-file checkpoints"),
     (["SRC", "out", "--bogus"], "unrecognized arguments: --bogus"),
+    (["SRC", "out", "--fromat", "diffusers"], "unrecognized arguments: --fromat diffusers (did you mean --format?)"),
+    (["defualt", "out"], "defualt: no such file or folder, nor a built-in model (default, default-edit, tiny, "
+                         "tiny_xl) or a hub id (org/name); did you mean default?"),
 ])
 def test_bad_arguments_are_refused_before_reading_and_nothing_is_written(sd15, tmp_path, capsys, monkeypatch, args,
                                                                          expected):
@@ -508,7 +511,7 @@ def test_hub_id_fetches_only_the_needed_files(sd15, tmp_path, monkeypatch):
                  feature_extractor=["transformers", "CLIPImageProcessor"])
     (repo / "model_index.json").write_text(json.dumps(index))
     fake = FakeHub("org/tiny-sd", repo, tmp_path / "snapshot")
-    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda: True)  # the hub answers
     for name in ("list_repo_files", "hf_hub_download", "snapshot_download"):
         monkeypatch.setattr(hub, name, getattr(fake, name))
 
@@ -563,7 +566,7 @@ def test_unreachable_hub_is_one_error_with_the_id(tmp_path, monkeypatch):
     def unreachable(*a, **kw):
         raise httpx2.ConnectError("[Errno -3] Temporary failure in name resolution")
 
-    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda: True)  # the hub answers
     monkeypatch.setattr(hub, "list_repo_files", unreachable)
     with pytest.raises(SdxError) as info:
         hub.fetch("org/far-away", cache_dir=tmp_path)

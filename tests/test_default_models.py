@@ -1,5 +1,5 @@
 """Training from scratch and shipping: `python -m train.init`, the packed default models
-(pipelines/default_models.py), the model chosen without --model, and `--grid`."""
+(convert/default_models.py), the model chosen without --model, and `--grid`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 from diffusers import AutoencoderKL as TorchVAE
 from PIL import Image
 
-from pipelines import default_models
+from convert import default_models
+from convert.demo import random_parts, write_pipeline
 from pipelines.cli import grid
-from pipelines.demo import random_parts, write_pipeline
 from sdx import model_folder, presets
 from sdx.sample import main as sample_main
 from train import init, shapes
@@ -102,10 +102,13 @@ def test_no_model_means_default_and_grid_is_written(tmp_path, monkeypatch, demo_
         return demo_build("tiny_xl", cache)
 
     monkeypatch.setattr(default_models, "folder", fake_folder)
+    sizes = []
+    monkeypatch.setattr(default_models, "warn_other_size", lambda *a: sizes.append(a))
     out = tmp_path / "imgs"
-    code = sample_main(["--prompt", "a", "b", "c", "--steps", "2", "--height", "64", "--width", "64", "--output", str(out),
+    code = sample_main(["--prompt", "a", "b", "c", "--steps", "2", "--height", "64", "--width", "48", "--output", str(out),
                         "--grid", str(tmp_path / "grid.png"), "--cache", str(tmp_path / "cache"), "--quiet"])
     assert code == 0 and picked == ["default"]
+    assert sizes[0][:2] == ("default", {(64, 48)})  # the size asked, for the warning on another size than it knows
     singles = [np.asarray(Image.open(out / f"0-{i:04d}.png")) for i in range(3)]
     tiled = np.asarray(Image.open(tmp_path / "grid.png"))
     np.testing.assert_array_equal(tiled, grid(np.stack(singles), 3))  # 3 images: one row
@@ -114,6 +117,16 @@ def test_no_model_means_default_and_grid_is_written(tmp_path, monkeypatch, demo_
                         str(tmp_path / "e.png"), "--cache", str(tmp_path / "cache"), "--quiet"])
     assert picked[-1] == "default-edit"  # tiny_xl is no InstructPix2Pix model: it runs as img2img here
     assert code == 0
+
+
+def test_a_default_model_asked_for_another_size_than_it_knows_warns_in_one_line(capsys):
+    default_models.warn_other_size("default", {(64, 64)}, 64)
+    default_models.warn_other_size("tiny", {(96, 64)}, 64)  # not a default model
+    assert capsys.readouterr().err == ""
+    default_models.warn_other_size("default-edit", {(64, 64), (96, 64), (64, 128)}, 64)
+    assert capsys.readouterr().err == ("warning: default-edit was trained at 64x64 only; at height 64, width 128; "
+                                       "height 96, width 64 its shapes come out stretched or repeated (leave out "
+                                       "--height and --width, or give 64)\n")
 
 
 def test_init_takes_the_vae_and_measures_its_scaling_factor(tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from pipelines.demo import random_parts
+from convert.demo import random_parts
 from sdx import presets
 
 

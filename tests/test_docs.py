@@ -161,6 +161,19 @@ def check_flags(command, argv: list[str]) -> None:
         command.parser().parse_args(argv)
 
 
+def test_the_flag_tables_in_the_pages_are_current():
+    """The flag tables written into the pages (between `<!-- flags: COMMAND -->` and `<!-- end of flags -->`, so that
+    the Markdown shows them) are what the parsers' `--help` says now; a row changed by hand is stale too."""
+    h = hooks()
+    with_tables = [page for page in PAGES if h.TABLES.search(page.read_text())]
+    assert len(with_tables) >= 11, with_tables
+    stale = h.stale(PAGES)
+    assert not stale, f"stale flag tables in {', '.join(str(p.relative_to(REPO)) for p in stale)}: run `{h.WRITE}`"
+    page = (REPO / "docs" / "generating.md").read_text()
+    edited = page.replace("| `--steps STEPS` | denoising steps", "| `--steps N` | steps")
+    assert edited != page and h.current(edited, "docs/generating.md") == page
+
+
 def test_every_flag_has_a_sentence_and_a_topic():
     """Every flag of the sampler, the converter and the trainers has its help sentence and shows its default
     (`sdx.errors.HelpFormatter`); the sampler's and the trainers' are in topic groups. `--help` and the flag tables
@@ -207,7 +220,7 @@ def _pipeline(kind: str):
 def _controlnet(out: Path, build) -> None:
     import diffusers
 
-    unet = diffusers.UNet2DConditionModel.from_pretrained(build("runwayml/stable-diffusion-v1-5") / "unet")
+    unet = diffusers.UNet2DConditionModel.from_pretrained(build("stable-diffusion-v1-5/stable-diffusion-v1-5") / "unet")
     diffusers.ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=[8, 16]).save_pretrained(out)
 
 
@@ -226,7 +239,7 @@ def _ip_adapter(out: Path, build) -> None:
     from tests.test_ip_adapter_pipelines import adapter_folder
 
     pipe = type("Pipe", (), {"unet": diffusers.UNet2DConditionModel.from_pretrained(
-        build("runwayml/stable-diffusion-v1-5") / "unet")})
+        build("stable-diffusion-v1-5/stable-diffusion-v1-5") / "unet")})
     (out / "models").mkdir(parents=True)
     adapter_folder(pipe, ip_adapter.PLAIN, out / "models").rename(out / "models" / "ip-adapter_sd15.safetensors")
 
@@ -253,7 +266,8 @@ def _embedding(out: Path, build) -> None:
     """An A1111 textual-inversion file (`emb_params`, two vectors) for the SD 1.5 stand-in's text encoder."""
     from safetensors.numpy import save_file
 
-    config = json.loads((build("runwayml/stable-diffusion-v1-5") / "text_encoder" / "config.json").read_text())
+    sd15 = build("stable-diffusion-v1-5/stable-diffusion-v1-5")
+    config = json.loads((sd15 / "text_encoder" / "config.json").read_text())
     vectors = np.random.default_rng(0).normal(size=(2, config["hidden_size"])).astype(np.float32)
     save_file({"emb_params": vectors}, str(out))
 
@@ -269,7 +283,7 @@ def _picture(draw):
 STAND_INS = {
     "stabilityai/stable-diffusion-xl-base-1.0": _pipeline("sdxl"),
     "stabilityai/stable-diffusion-xl-refiner-1.0": _pipeline("sdxl_refiner"),
-    "runwayml/stable-diffusion-v1-5": _pipeline("sd15"),
+    "stable-diffusion-v1-5/stable-diffusion-v1-5": _pipeline("sd15"),
     "timbrooks/instruct-pix2pix": _pipeline("pix2pix"),
     "diffusers/stable-diffusion-xl-1.0-inpainting-0.1": _pipeline("sdxl_inpaint"),
     "lllyasviel/control_v11p_sd15_canny": _controlnet,
@@ -313,7 +327,8 @@ def docs_cache(tmp_path_factory, demo_build):
 
 def test_the_pages_code_runs(stand_ins, docs_cache, tmp_path):
     """Every page's blocks that run, in one fresh process (tests/docs_run.py), page after page, each in a working
-    folder of its own with the stand-ins it names; a text block shown as a command's output must be in what ran."""
+    folder of its own with the stand-ins it names; a text block shown as a command's output must be in what ran;
+    what README.md's tour leaves in its folder, git ignores (.gitignore)."""
     plan = []
     for page in RUN_PAGES:
         steps = [{"where": b.where, "kind": b.lang, "code": b.runs()} for b in blocks(page)
@@ -337,6 +352,11 @@ def test_the_pages_code_runs(stand_ins, docs_cache, tmp_path):
     print(f"CPU time of the run: {after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime:.0f} s")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     printed = proc.stdout + proc.stderr
+    stand_ins = {name.split("/")[0] for name in STAND_INS}
+    made = sorted(p.name + "/" * p.is_dir() for p in (tmp_path / "README.md").iterdir() if p.name not in stand_ins)
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=REPO, input="\n".join(made),
+                             capture_output=True, text=True).stdout.split()
+    assert made and ignored == made, f"README.md's tour leaves files git does not ignore: {set(made) - set(ignored)}"
     for b in ALL:
         missing = [line for line in b.code.splitlines() if b.output_of and line.strip() and line not in printed]
         assert not missing, f"{b.where}: the output shown is not what {b.output_of.where} printed: {missing}"

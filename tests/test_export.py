@@ -240,7 +240,7 @@ def test_vae_swap(tiny, tmp_path, capsys):
 
 def test_hub_vae_unet_and_lora(tiny, tmp_path, monkeypatch, capsys):
     pipe, folder, sdx = tiny("sd15")
-    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda: True)  # the hub answers
 
     def serve(repo_id: str, repo: Path) -> FakeHub:
         fake = FakeHub(repo_id, repo, tmp_path / f"cache-{repo_id.replace('/', '--')}")

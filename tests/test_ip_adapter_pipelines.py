@@ -173,7 +173,7 @@ def test_hub_file_fetches_the_encoder_beside_it(tmp_path, monkeypatch):
         for name in ("ip-adapter_x.safetensors", "ip-adapter_x.bin"):
             (repo / sub / name).write_text("x")
     fake = FakeHub("org/ip", repo, tmp_path / "cache")
-    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda: True)  # the hub answers
     for name in ("list_repo_files", "snapshot_download"):
         monkeypatch.setattr(hub, name, getattr(fake, name))
     adapter, encoder = resolve_ip_adapter("org/ip/sdxl_models/ip-adapter_x.safetensors")

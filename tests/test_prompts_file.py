@@ -117,7 +117,7 @@ def test_a_run_killed_midway_continues_where_it_stopped(prompts, reference, demo
         ("x", ["--prompt", "y"], "--prompt and --prompts-file do not go together"),
         ("x", ["--grid", "GRID"], "--grid and --prompts-file do not go together"),
         ("x", ["--output", "OUT/one.png"], "it is the folder the images go to"),
-        ("x", ["--output", "/proc/sdx-out"], "cannot write in /proc"),
+        ("x", ["--output", "/proc/sdx-out"], "cannot be made in /proc: it is on proc"),
         ("x", ["--output", "FOREIGN"], "00000.png exists and is not the image asked for"),
     ],
 )

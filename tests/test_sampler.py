@@ -449,11 +449,12 @@ def test_bad_input_is_one_line_and_exit_2(tiny_xl, tmp_path, capsys, args, expec
         (["--image", "NOT_AN_IMAGE"], "cannot read the image"),
         (["--image", "TRUNCATED"], "cannot read the image"),  # decoded in full up front, not only its header
         (["--config", "/nonexistent/config"], "not a folder"),
-        (["--output", "/proc/sdx-out/image.png"], "cannot write in /proc"),
-        (["--output", "/proc/sdx-out"], "cannot write in /proc"),
+        (["--output", "/proc/sdx-out/image.png"], "cannot be made in /proc: it is on proc, a file system the kernel"),
+        (["--output", "/proc/image.png"], "--output /proc: cannot write in /proc: it is on proc, a file system the kernel"),
+        (["--output", "/proc/sdx-out"], "cannot be made in /proc: it is on proc"),
         (["--output", "NOT_AN_IMAGE/x.png"], "is a file, not a folder"),
         (["--grid", "/proc/grid.png"], "cannot write in /proc"),
-        (["--cache", "/proc/sdx-cache"], "cannot write in /proc"),
+        (["--cache", "/proc/sdx-cache"], "--cache /proc/sdx-cache: it does not exist and cannot be made in /proc"),
         (["--output", "EXISTING"], "exists; pass --overwrite"),
     ],
 )
@@ -516,6 +517,17 @@ def test_the_progress_bar_leaves_the_compile_out_of_its_time_and_rate(tiny_xl, t
                  "--cache", str(tmp_path), "--output", str(tmp_path / "out.png")]) == 0
     ((bar, was_open),) = [(b, s) for b, s in closed if b["prefix"] == "denoising"]
     assert bar["n"] == 2 and bar["elapsed"] < was_open - 2.5, (bar, was_open)
+
+
+def test_a_mistyped_model_or_flag_is_named_with_the_near_one(tmp_path, capsys):
+    message = cli_error(capsys, "--model", "defualt", "--prompt", "x", "--quiet", "--cache", str(tmp_path),
+                        "--output", str(tmp_path / "out"))
+    assert message == ("error: defualt: no such file or folder, nor a built-in model (default, default-edit, tiny, "
+                       "tiny_xl) or a hub id (org/name); did you mean default?")
+    assert "did you mean" not in cli_error(capsys, "--model", "zzz", "--prompt", "x", "--cache", str(tmp_path))
+    message = cli_error(capsys, "--stpes", "3", "--prompt", "x", "--gudance-scale=2", "--zzz")
+    assert message == ("error: unrecognized arguments: --stpes 3 --gudance-scale=2 --zzz (did you mean --steps for "
+                       "--stpes, --guidance-scale for --gudance-scale?)")
 
 
 def test_missing_model_is_one_line(tmp_path, capsys):

@@ -397,6 +397,34 @@ def test_caption_imagefolder(tmp_path):
         np.testing.assert_array_equal(np.asarray(Image.open(out / "train" / meta["file_name"])), image)
 
 
+def test_outlines_are_the_shapes_rims(tmp_path):
+    """`--look outline`: the same scenes and captions, each shape drawn as its rim around a hole of the same
+    shape (`OUTLINE_HOLE` of its width, about the same centre), which shows the background."""
+    for shape in shapes.SHAPES:
+        scene = Scene(shape, "white", "black", scale=0.25)
+        filled, rim = scene.coverage(256), scene.coverage(256, "outline")
+        assert (rim <= filled + 1e-12).all() and rim[128, 128] == 0 and filled[128, 128] == 1
+        assert rim.mean() == pytest.approx(0.25 * (1 - shapes.OUTLINE_HOLE**2), rel=0.03), shape
+    assert shapes.main(["captions", str(tmp_path / "o"), "--count", "6", "--seed", "4", "--look", "outline"]) == 0
+    shapes.write_dataset(tmp_path / "f", "captions", count=6, seed=4)
+    outlined, filled = (pq.read_table(tmp_path / name / "data").to_pylist() for name in ("o", "f"))
+    assert [r["text"] for r in outlined] == [r["text"] for r in filled]
+    for i, row in enumerate(outlined):
+        scene, image = shapes.caption_example(4, i, 64, "outline")
+        np.testing.assert_array_equal(_png(row["image"]), image)
+        assert (image != _png(filled[i]["image"])).any()
+
+
+def test_draw_writes_one_centred_picture(tmp_path, capsys):
+    out = tmp_path / "masks" / "square.png"
+    assert shapes.main(["draw", "a white square on a black background", str(out), "--scale", "0.5"]) == 0
+    assert capsys.readouterr().err == f"wrote {out}\n"
+    want = Scene("square", "white", "black", scale=0.5).render(64)
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), want)
+    assert shapes.main(["draw", "a red circle on a blue background", str(out), "--size", "32", "--look", "outline"]) == 0
+    np.testing.assert_array_equal(np.asarray(Image.open(out)), Scene("circle", "red", "blue").render(32, "outline"))
+
+
 def test_edit_parquet(tmp_path):
     out = tmp_path / "ed"
     assert shapes.main(["edits", str(out), "--count", "90", "--seed", "1"]) == 0
@@ -473,7 +501,14 @@ def test_dataset_writes_are_atomic(tmp_path, monkeypatch, capsys):
     (["captions", "OUT", "--count", "5", "--shards", "6"], "--shards 6"),
     (["captions", "OUT", "--count", "5", "--size", "4"], "--size 4"),
     (["edits", "OUT", "--count", "5", "--format", "imagefolder"], "--format"),
+    (["edits", "OUT", "--count", "5", "--look", "outline"], "unrecognized arguments: --look outline"),
+    (["captions", "OUT", "--count", "5", "--look", "dotted"], "invalid choice: 'dotted'"),
     (["pictures", "OUT", "--count", "5"], "pictures"),
+    (["draw", "a red hexagon on a blue background", "OUT"], "is not 'a COLOUR SHAPE on a COLOUR background'"),
+    (["draw", "a red circle on a red background", "OUT"], "would be invisible"),
+    (["draw", "a red circle on a blue background", "OUT", "--scale", "0"], "--scale 0.0: the shape's share"),
+    (["draw", "a red circle on a blue background", "OUT", "--scale", "0.9"], "does not fit in the image"),
+    (["draw", "a red circle on a blue background", "OUT", "--size", "4"], "at least 8 pixels"),
     ([], "required"),
 ])
 def test_shapes_cli_errors(tmp_path, capsys, argv, message):

@@ -166,7 +166,7 @@ def test_hub_id_fp16_variant_and_strict_loading(tmp_path, monkeypatch):
     torch_model.save_pretrained(tmp_path / "repo")
     torch_model.half().save_pretrained(tmp_path / "repo", variant="fp16")
     fake = FakeHub("org/adapter", tmp_path / "repo", tmp_path / "cache")
-    monkeypatch.setattr(hub, "_offline", lambda: False)
+    monkeypatch.setattr(hub, "reachable", lambda: True)  # the hub answers
     for name in ("list_repo_files", "snapshot_download"):
         monkeypatch.setattr(hub, name, getattr(fake, name))
     model = load_t2i_adapter("org/adapter", dtype="bfloat16")

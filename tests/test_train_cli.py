@@ -194,7 +194,7 @@ def test_kill_9_at_a_random_moment_loses_only_uncheckpointed_steps(world, straig
 
 # (extra flags, words the error holds): what `loop.run` refuses by looking at files, before any model loads
 BAD_FILES = [
-    (["--output_dir", "/proc/sdx-train"], "--output_dir /proc/sdx-train: cannot write in /proc"),
+    (["--output_dir", "/proc/sdx-train"], "--output_dir /proc/sdx-train: it does not exist and cannot be made in /proc"),
     (["--output_dir", "FILE/out"], "is a file, not a folder"),
     (["--dataset_name", "/nonexistent/data"], "dataset /nonexistent/data: no such file or folder"),
     (["--original_image_column", "before"], "no column 'before'"),
@@ -203,7 +203,8 @@ BAD_FILES = [
                                                                                 "read the image"),
     (["--validation_prompt", "make it red", "--val_image_url_or_path", "/nonexistent.png"], "cannot read the image"),
     (["--resume_from_checkpoint", "/nonexistent/checkpoint"], "--resume_from_checkpoint /nonexistent/checkpoint: "),
-    (["--pretrained_model_name_or_path", "/nonexistent/model"], "/nonexistent/model: not an sdx folder"),
+    (["--pretrained_model_name_or_path", "/nonexistent/model"],
+     "/nonexistent/model: no such file or folder, nor a built-in model"),
     (["--pretrained_vae_model_name_or_path", "/nonexistent/vae"], "/nonexistent/vae: no such file or folder"),
 ]
 

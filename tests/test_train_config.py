@@ -118,6 +118,7 @@ BAD_VALUES = [
     ("pix2pix", ["--bogus_flag", "1"], "unrecognized arguments: --bogus_flag"),
     ("text_to_image", ["--conditioning_dropout_prob", "0.1"], "unrecognized arguments: --conditioning_dropout_prob"),
     ("vae", ["--snr_gamma", "5"], "unrecognized arguments: --snr_gamma"),
+    ("vae", ["--max_train_stpes", "5"], "unrecognized arguments: --max_train_stpes 5 (did you mean --max_train_steps?)"),
     ("text_to_image", ["--rank", "0"], "--rank must be at least 1, got 0"),
     ("text_to_image", ["--lora_alpha", "8"], "--rank must be at least 1, got None"),
     ("text_to_image", ["--rank", "4", "--lora_alpha", "0"], "--lora_alpha must be positive"),

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from convert.sources import check_vae_architecture, read_vae_source
-from pipelines.demo import random_parts, write_pipeline
+from convert.demo import random_parts, write_pipeline
 from sdx import io, model_folder, presets, weights
 from sdx.errors import ArgumentParser, SdxError
 from sdx.layers import F32

@@ -77,7 +77,7 @@ stage "VAE decoder"
 [ -f "$WORK/edit-vae/sdx.json" ] || $PY -m convert "$WORK/edit-2" "$WORK/edit-vae" --vae "$WORK/t2i-vae" -q
 
 stage "pack"
-$PY -m pipelines.default_models pack "$WORK/t2i-vae" "$WORK/edit-vae"
+$PY -m convert.default_models pack "$WORK/t2i-vae" "$WORK/edit-vae"
 
 stage "evaluate"
 $PY -m train.shapes_eval --model default --edit-model default-edit --vae-model default --seeds 2 --json "$WORK/eval.json"

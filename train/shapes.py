@@ -1,13 +1,16 @@
 """The shapes world the default models learn: one shape of one colour on a plain background of another.
 
     python -m train.shapes captions OUT --count 10000 --seed 0 [--size 64] [--format parquet|imagefolder]
+        [--look outline]
     python -m train.shapes edits OUT --count 10000 --seed 0 [--size 64]
+    python -m train.shapes draw "a red circle on a blue background" OUT.png [--size 64] [--scale 0.25]
 
 `captions` writes a text-to-image dataset ("a red circle on a blue background"), `edits` InstructPix2Pix
 pairs ("make the circle green", "make the background white", "turn the circle into a square"; the rest
-of the picture unchanged). Example i is drawn from `np.random.default_rng([seed, i])` alone, so a
-dataset is reproducible and the same whatever the number of shards. Bad input ends with one `error:` line
-and exit status 2.
+of the picture unchanged), `draw` one centred picture. `--look outline` draws the shapes as outlines, a look
+the default models never saw (the README's LoRA learns it). Example i is drawn from
+`np.random.default_rng([seed, i])` alone, so a dataset is reproducible and the same whatever the number of
+shards. Bad input ends with one `error:` line and exit status 2.
 
 Geometry (fractions of the image side, y down): every shape has the same area for the same `scale`
 (its area over the image's), so a shape change keeps the area and the centre. The square has side
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -54,7 +58,8 @@ CENTRE_JITTER = 0.08  # random scenes: the centre moves up to this fraction of t
 MARGIN = 0.06  # every shape keeps this fraction of the side clear of the border
 SUPERSAMPLE = 4
 DEFAULT_SIZE = 64
-
+LOOKS = ("filled", "outline")  # how a picture draws its shape: all of it, or its rim around a hole
+OUTLINE_HOLE = 0.6  # an outline's hole: the same shape about the same centre, this fraction of its width
 
 
 def half_extent(shape: str, scale: float) -> float:
@@ -113,8 +118,12 @@ class Scene:
         cx, cy = (float(0.5 + v) for v in rng.uniform(-jitter, jitter, size=2))
         return cls(shape, colour, background, (cx, cy), scale)
 
-    def coverage(self, size: int) -> np.ndarray:
-        """(size, size) float64 in [0, 1]: how much of each pixel the shape covers (4x4 samples)."""
+    def coverage(self, size: int, look: str = "filled") -> np.ndarray:
+        """(size, size) float64 in [0, 1]: how much of each pixel the shape (drawn in `look`) covers (4x4 samples)."""
+        if look == "outline":
+            return self.coverage(size) - dataclasses.replace(self, scale=self.scale * OUTLINE_HOLE**2).coverage(size)
+        if look != "filled":
+            raise ValueError(f"unknown look {look!r}; choose one of {', '.join(LOOKS)}")
         n = size * SUPERSAMPLE
         t = (np.arange(n) + 0.5) / n  # sample centres, fractions of the side
         x, y = t[None, :], t[:, None]
@@ -129,11 +138,11 @@ class Scene:
             inside = (depth >= 0) & (depth <= 2 * half) & (np.abs(x - cx) <= depth / 2)
         return inside.reshape(size, SUPERSAMPLE, size, SUPERSAMPLE).mean(axis=(1, 3))
 
-    def render(self, size: int = DEFAULT_SIZE) -> np.ndarray:
+    def render(self, size: int = DEFAULT_SIZE, look: str = "filled") -> np.ndarray:
         """(size, size, 3) uint8."""
         if size < 8:
             raise ValueError(f"size {size}: images must be at least 8 pixels")
-        a = self.coverage(size)[..., None]
+        a = self.coverage(size, look)[..., None]
         fg, bg = np.asarray(PALETTE[self.colour], np.float64), np.asarray(PALETTE[self.background], np.float64)
         return np.round(bg + (fg - bg) * a).astype(np.uint8)
 
@@ -220,10 +229,11 @@ def parse_instruction(instruction: str) -> tuple[str, str]:
 # ---------------------------------------------------------------------------------------------- datasets
 
 
-def caption_example(seed: int, index: int, size: int = DEFAULT_SIZE) -> tuple[Scene, np.ndarray]:
-    """Example `index` of the text-to-image dataset of `seed`: its scene and image."""
+def caption_example(seed: int, index: int, size: int = DEFAULT_SIZE, look: str = "filled") -> tuple[Scene, np.ndarray]:
+    """Example `index` of the text-to-image dataset of `seed`: its scene and image (the scene is the same in
+    every look)."""
     scene = Scene.random(np.random.default_rng([seed, index]))
-    return scene, scene.render(size)
+    return scene, scene.render(size, look)
 
 
 def edit_example(seed: int, index: int, size: int = DEFAULT_SIZE) -> tuple[str, str, Scene, Scene]:
@@ -246,10 +256,10 @@ def _image_struct(image: np.ndarray) -> dict:
     return {"bytes": png_bytes(image), "path": None}  # the hub's Image feature
 
 
-def _caption_rows(seed: int, indices, size: int) -> dict[str, list]:
+def _caption_rows(seed: int, indices, size: int, look: str = "filled") -> dict[str, list]:
     cols = {"image": [], "text": [], "shape": [], "colour": [], "background": []}
     for i in indices:
-        scene, image = caption_example(seed, i, size)
+        scene, image = caption_example(seed, i, size, look)
         cols["image"].append(_image_struct(image))
         cols["text"].append(scene.prompt())
         for key, value in zip(("shape", "colour", "background"), scene.attributes()):
@@ -296,23 +306,23 @@ def default_shards(count: int) -> int:
     return max(1, min(count, math.ceil(count / 1000)))
 
 
-def _write_parquet(out: Path, rows, seed: int, count: int, size: int, shards: int, kind: str) -> None:
+def _write_parquet(out: Path, rows, seed: int, count: int, size: int, shards: int, kind: str, look: str) -> None:
     import pyarrow.parquet as pq
 
     (out / "data").mkdir()
-    info = {"dataset": kind, "seed": seed, "count": count, "size": size, "palette": PALETTE}
+    info = {"dataset": kind, "seed": seed, "count": count, "size": size, "look": look, "palette": PALETTE}
     for k, indices in enumerate(shard_ranges(count, shards)):
         table = _parquet_table(rows(seed, indices, size), {**info, "shard": k, "first_index": indices.start})
         pq.write_table(table, out / "data" / f"train-{k:05d}-of-{shards:05d}.parquet")
 
 
-def _write_imagefolder(out: Path, seed: int, count: int, size: int) -> None:
+def _write_imagefolder(out: Path, seed: int, count: int, size: int, look: str) -> None:
     folder = out / "train"
     folder.mkdir()
     digits = max(6, len(str(count - 1)))
     with open(folder / "metadata.jsonl", "w") as meta:
         for i in range(count):
-            scene, image = caption_example(seed, i, size)
+            scene, image = caption_example(seed, i, size, look)
             name = f"{i:0{digits}d}.png"
             (folder / name).write_bytes(png_bytes(image))
             shape, colour, background = scene.attributes()
@@ -321,7 +331,8 @@ def _write_imagefolder(out: Path, seed: int, count: int, size: int) -> None:
 
 
 def write_dataset(out: str | os.PathLike, kind: str, *, count: int, seed: int = 0, size: int = DEFAULT_SIZE,
-                  format: str = "parquet", shards: int | None = None, overwrite: bool = False) -> Path:
+                  format: str = "parquet", shards: int | None = None, overwrite: bool = False,
+                  look: str = "filled") -> Path:
     """Write the `kind` ("captions" or "edits") dataset to the folder `out`, atomically: it is built under a
     temporary name beside `out` and renamed into place once complete.
 
@@ -329,7 +340,8 @@ def write_dataset(out: str | os.PathLike, kind: str, *, count: int, seed: int = 
     {bytes: PNG, path: None}), text, shape, colour, background; edits have input_image, edit_prompt,
     edited_image (InstructPix2Pix's names), edit (the kind), shape, colour, background and edited_shape,
     edited_colour, edited_background. imagefolder (captions only): out/train/NNNNNN.png and
-    out/train/metadata.jsonl with file_name, text, shape, colour, background.
+    out/train/metadata.jsonl with file_name, text, shape, colour, background. look (captions only): how the
+    pictures draw their shapes (`LOOKS`); the scenes and captions are the same in every look.
     """
     out = Path(out)
     if kind not in ("captions", "edits"):
@@ -338,6 +350,8 @@ def write_dataset(out: str | os.PathLike, kind: str, *, count: int, seed: int = 
         raise SdxError(f"--format {format}: choose parquet or imagefolder")
     if kind == "edits" and format != "parquet":
         raise SdxError("edit pairs are written as parquet only (two images per example)")
+    if look not in LOOKS or (kind == "edits" and look != "filled"):
+        raise SdxError(f"--look {look}: captions take one of {', '.join(LOOKS)}; edits are filled")
     if count < 1:
         raise SdxError(f"--count {count} must be at least 1")
     if seed < 0:
@@ -353,9 +367,10 @@ def write_dataset(out: str | os.PathLike, kind: str, *, count: int, seed: int = 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         if format == "imagefolder":
-            _write_imagefolder(tmp, seed, count, size)
+            _write_imagefolder(tmp, seed, count, size, look)
         else:
-            _write_parquet(tmp, _caption_rows if kind == "captions" else _edit_rows, seed, count, size, shards, kind)
+            rows = functools.partial(_caption_rows, look=look) if kind == "captions" else _edit_rows
+            _write_parquet(tmp, rows, seed, count, size, shards, kind, look)
         os.chmod(tmp, 0o777 & ~_umask())
         if out.exists():  # --overwrite: the old folder goes only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -382,7 +397,7 @@ def _umask() -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m train.shapes", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="kind", required=True, metavar="{captions,edits}", parser_class=ArgumentParser)
+    sub = p.add_subparsers(dest="kind", required=True, metavar="{captions,edits,draw}", parser_class=ArgumentParser)
     for kind, help in (("captions", "text-to-image examples: image, text"),
                        ("edits", "InstructPix2Pix pairs: input_image, edit_prompt, edited_image")):
         s = sub.add_parser(kind, help=help, description=help)
@@ -395,14 +410,49 @@ def parser() -> argparse.ArgumentParser:
         if kind == "captions":
             s.add_argument("--format", choices=("parquet", "imagefolder"), default="parquet",
                            help="parquet shards under OUT/data, or OUT/train/*.png with metadata.jsonl")
+            s.add_argument("--look", choices=LOOKS, default="filled",
+                           help="how the pictures draw their shapes: filled, or as outlines (a look the default "
+                                "models never saw)")
+    s = sub.add_parser("draw", help="one picture of the world, centred, as a PNG file",
+                       description="one picture of the world, centred, as a PNG file")
+    s.add_argument("prompt", metavar="PROMPT", help="what to draw: 'a COLOUR SHAPE on a COLOUR background'")
+    s.add_argument("out", metavar="OUT.png", help="the PNG file to write")
+    s.add_argument("--size", type=int, default=DEFAULT_SIZE, help="image side in pixels")
+    s.add_argument("--scale", type=float, default=0.25, help="the shape's area over the picture's")
+    s.add_argument("--look", choices=LOOKS, default="filled", help="how to draw the shape")
     return p
+
+
+def draw(prompt: str, out: str | os.PathLike, *, size: int = DEFAULT_SIZE, scale: float = 0.25,
+         look: str = "filled") -> Path:
+    """Write the centred picture of `prompt` (`parse_prompt`'s sentence), its shape covering `scale` of it, as a
+    PNG file at `out`."""
+    from sdx import io as sdx_io
+
+    if not 0 < scale < 1:
+        raise SdxError(f"--scale {scale}: the shape's share of the picture is between 0 and 1")
+    try:
+        scene = Scene(*parse_prompt(prompt), scale=scale)
+        image = scene.render(size, look)
+    except ValueError as e:
+        raise SdxError(str(e)) from None
+    out = Path(out)
+    sdx_io.check_writable(out.parent, "OUT")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    sdx_io.atomic_write(out, lambda f: f.write(png_bytes(image)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     def body():
         args = parser().parse_args(argv)
+        if args.kind == "draw":
+            print(f"wrote {draw(args.prompt, args.out, size=args.size, scale=args.scale, look=args.look)}",
+                  file=sys.stderr)
+            return
         out = write_dataset(args.out, args.kind, count=args.count, seed=args.seed, size=args.size,
-                            format=getattr(args, "format", "parquet"), shards=args.shards, overwrite=args.overwrite)
+                            format=getattr(args, "format", "parquet"), shards=args.shards, overwrite=args.overwrite,
+                            look=getattr(args, "look", "filled"))
         print(f"wrote {args.count} {args.kind} examples to {out}", file=sys.stderr)
 
     return run_command(body)

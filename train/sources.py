@@ -539,10 +539,11 @@ def fetch_hub_dataset(repo_id: str, *, revision: str | None = None, cache_dir: s
     """The local snapshot of hub dataset `repo_id` with its parquet files (downloaded once, then cached)."""
     from huggingface_hub import snapshot_download
 
-    from convert.hub import hub_errors
+    from convert.hub import hub_errors, reachable
 
     where = f"hub dataset {repo_id!r}" + (f" (revision {revision})" if revision else "")
     with hub_errors(where, missing="lacks a file it lists"):
+        reachable()  # once per process: an unreachable hub leaves the cache alone to answer
         return Path(snapshot_download(repo_id, repo_type="dataset", revision=revision, cache_dir=cache_dir,
                                       allow_patterns=["*.parquet"]))
 

@@ -13,7 +13,7 @@ vocabulary (`sdx.tokenizer.write_builtin_folder`), whose pad tokens NAME/pack.js
 assembles a complete sdx folder in the cache on first use; `pack` writes the compact form from two
 trained sdx folders (the last step of the recipe):
 
-    python -m pipelines.default_models pack T2I_FOLDER EDIT_FOLDER [--out sdx/assets/models]
+    python -m convert.default_models pack T2I_FOLDER EDIT_FOLDER [--out sdx/assets/models]
 """
 
 from __future__ import annotations
@@ -34,6 +34,16 @@ NAMES = ("default", "default-edit")
 BASE = "default"  # where the shared files live
 PACK_FILE = "pack.json"
 DTYPE = "float16"
+
+
+def warn_other_size(name: str, sizes: set[tuple[int, int]], trained: int) -> None:
+    """One warning line when default model `name` is asked for (height, width) `sizes` other than the `trained`
+    square size it knows (its shapes are drawn for that frame: another one stretches or repeats them)."""
+    other = sorted(size for size in sizes if size != (trained, trained))
+    if name in NAMES and not Path(name).exists() and other:
+        asked = "; ".join(f"height {h}, width {w}" for h, w in other)
+        print(f"warning: {name} was trained at {trained}x{trained} only; at {asked} its shapes come out stretched "
+              f"or repeated (leave out --height and --width, or give {trained})", file=sys.stderr)
 
 
 def _fingerprint(packed: Path, base: Path) -> str:
@@ -107,7 +117,7 @@ def pack(t2i: Path, edit: Path, out: Path = SHIPPED) -> Path:
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m pipelines.default_models", description="pack the trained default models")
+    p = ArgumentParser(prog="python -m convert.default_models", description="pack the trained default models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     s = sub.add_parser("pack", help="write sdx/assets/models from the trained text-to-image and edit folders")
     s.add_argument("t2i", help="the text-to-image sdx folder")

@@ -4,7 +4,7 @@
 seeded random weights and the built-in CLIP vocabulary, and writes it once as an sdx folder in the
 cache. It shows the whole path (tokenizer, text encoders, sampler loop, VAE, PNG) end to end on any
 machine; its pictures are noise-like, since nothing was trained. (The trained default models are
-`pipelines.default_models`.) Unlike a model at its initialisation, every norm scale and bias of a demo
+`convert.default_models`.) Unlike a model at its initialisation, every norm scale and bias of a demo
 model is drawn too (`varied`), so that the tests which run them see a scale or bias that a conversion,
 a loader or a module drops.
 
