@@ -307,7 +307,8 @@ def _part_tensors(tensors: Mapping[str, np.ndarray], part: str, config: Mapping[
     name, entries, prefix, original = _PARTS[part]
     entries = entries(config)
     wanted = {k: e for e in entries for k in e.diffusers}
-    if any(k.startswith(prefix) or k in original for k in tensors):
+    originals = {e.original.removeprefix(prefix) for e in entries} - set(wanted)  # keys only the original layout has
+    if any(k.startswith(prefix) or k in originals for k in tensors):
         prefixed = {k if k.startswith(prefix) else prefix + k: v for k, v in tensors.items()}
         return map_tensors(prefixed, entries, K.COMMON_IGNORED, where=where)[part]
     if not any(k in wanted for k in tensors):

@@ -39,9 +39,8 @@ from sdx import weights
 from sdx.clip_vision import CLIPVisionModelWithProjection, image_encoder_inputs, load_image_encoder
 from sdx.errors import SdxError
 from sdx.interventions import Interventions
-from sdx.ip_adapter import IPAdapter, Scale, attention_scales, cross_attentions, diffusers_scales, load_ip_adapter
+from sdx.ip_adapter import IPAdapter, Scale, attention_scales, diffusers_scales, image_attention, load_ip_adapter
 from sdx.layers import Compute
-from sdx.layers import ImagePrompt as ImagePromptProcessor
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -107,18 +106,15 @@ class IPAdapterPlugin(Plugin):
 
     def prepare(self, models, ready: Ready) -> tuple:
         """The image tokens' keys and values for the UNet batch's rows, for each cross-attention in
-        `sdx.ip_adapter.cross_attentions`' order (a tuple: a dict would come out of the program in its keys' order):
+        `sdx.ip_adapter.cross_attentions`' order (a tuple: a dict comes out of a program in its keys' order):
         the branches that read the negative prompt read no image (diffusers' negative image embeddings)."""
         adapter, guide = models[self.model], ready.guide
         positive, negative = tokens(adapter, models[self.encoder], self.pixels, guide.branches > 1)
         rows = positive if negative is None else guide.by_branch(positive, negative)  # (B * branches, N, D)
-        return tuple(adapter.keys_values(ready.unet, rows).values())
+        return tuple(adapter.keys_values(ready.unet, rows))
 
     def contribute(self, models, kv: tuple, call: ModelCall) -> Interventions:
-        scales = jnp.repeat(self.scales, call.branches, axis=0)  # (B * branches, cross-attentions)
-        keys = [key for key, _ in cross_attentions(call.unet)]
-        return Interventions(attention={key: (ImagePromptProcessor(k, v, scales[:, i]),)
-                                        for i, (key, (k, v)) in enumerate(zip(keys, kv))})
+        return image_attention(call.unet, kv, jnp.repeat(self.scales, call.branches, axis=0))  # (B * branches, ...)
 
 
 def load(adapter: str | os.PathLike, encoder: str | os.PathLike | None, unet, k: int, *, dtype: str,

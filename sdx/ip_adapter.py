@@ -41,8 +41,8 @@ from flax import nnx
 from sdx import io, weights
 from sdx.attention import dot_product_attention
 from sdx.errors import SdxError
-from sdx.interventions import select
-from sdx.layers import F32, Attention, Compute, LayerNorm, linear
+from sdx.interventions import Interventions, select
+from sdx.layers import F32, Attention, Compute, ImagePrompt, LayerNorm, linear
 
 PLAIN, PLUS = "plain", "plus"
 Scale = Union[float, Mapping]  # one number, or site patterns to scales (`attention_scales`)
@@ -179,16 +179,29 @@ class IPAdapter(nnx.Module):
         adapter, the next-to-last hidden state (B, T, E) for a plus one."""
         return self.image_proj(features.astype(self.compute.dtype))
 
-    def keys_values(self, unet: nnx.Module, tokens: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
-        """{cross-attention key: its keys and values of the image tokens (B, tokens, D)}, each (B, tokens, heads,
-        head_dim), for every cross-attention of `unet` (`cross_attentions`)."""
+    def keys_values(self, unet: nnx.Module, tokens: jax.Array) -> list[tuple[jax.Array, jax.Array]]:
+        """Each cross-attention's keys and values of the image tokens (B, tokens, D), each (B, tokens, heads,
+        head_dim), for every cross-attention of `unet`, in `cross_attentions`' order."""
         attentions = cross_attentions(unet)
         check_fits(self.config, attentions, "ip-adapter")
-        kv = {}
-        for (key, attention), layer in zip(attentions, self.layers):
+        kv = []
+        for (_, attention), layer in zip(attentions, self.layers):
             split = lambda a: a.reshape(a.shape[0], a.shape[1], attention.heads, attention.head_dim)  # (B, N, H, D)
-            kv[key] = (split(layer.to_k_ip(tokens)), split(layer.to_v_ip(tokens)))
+            kv.append((split(layer.to_k_ip(tokens)), split(layer.to_v_ip(tokens))))
         return kv
+
+    def interventions(self, unet: nnx.Module, tokens: jax.Array, scale) -> Interventions:
+        """What makes `unet`'s cross-attentions attend to the image tokens (B, tokens, D) at `scale` (a number, or
+        (cross-attentions,) one each): its `__call__`'s `interventions`."""
+        scales = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (tokens.shape[0], len(self.layers)))
+        return image_attention(unet, self.keys_values(unet, tokens), scales)
+
+
+def image_attention(unet: nnx.Module, kv, scales: jax.Array) -> Interventions:
+    """An `sdx.layers.ImagePrompt` processor at each of `unet`'s cross-attentions: kv, their keys and values of an
+    adapter's image tokens (`IPAdapter.keys_values`); scales (B, cross-attentions), each row's scale of each."""
+    keys = [key for key, _ in cross_attentions(unet)]
+    return Interventions(attention={key: (ImagePrompt(k, v, scales[:, i]),) for i, (key, (k, v)) in enumerate(zip(keys, kv))})
 
 
 def attention_scales(scale: Scale, unet: nnx.Module) -> np.ndarray:

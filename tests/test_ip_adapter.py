@@ -98,8 +98,7 @@ def test_unet_with_adapter_matches_diffusers(tmp_path, case, kind, scale):
                         added_cond_kwargs=kw | {"image_embeds": [torch.from_numpy(features)[:, None]]}).sample.numpy()
 
     def run(unet, adapter, x, t, ctx, features, added):
-        text = adapter.attach(unet, unet.text_context(ctx), adapter.tokens(features), jnp.float32(scale))
-        return unet(x, t, text, added)
+        return unet(x, t, ctx, added, interventions=adapter.interventions(unet, adapter.tokens(features), scale))
 
     out = nnx.jit(run)(model, adapter, jnp.asarray(x.transpose(0, 2, 3, 1)), jnp.asarray(t), jnp.asarray(ctx),
                        jnp.asarray(features), {k: jnp.asarray(v) for k, v in added.items()} if added else None)
