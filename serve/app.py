@@ -45,6 +45,7 @@ def create(served, engine, limits: translate.Limits, access: Access, template) -
     `submit`); template: the sampling command's flags at their defaults (`serve.translate.plan`)."""
     app = FastAPI(title="sdx", version=infotext.version(), summary="AUTOMATIC1111's /sdapi/v1 over sdx")
     tasks = Tasks()
+    page_html = _page(served.plain)
     _errors(app)
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
     if access.users:
@@ -151,7 +152,7 @@ def create(served, engine, limits: translate.Limits, access: Access, template) -
     app.get("/sdapi/v1/embeddings")(served.embeddings_listed)
     for route in ("upscalers", "latent-upscale-modes", "prompt-styles", "script-info", "face-restorers",
                   "hypernetworks"):
-        app.get(f"/sdapi/v1/{route}")(list)  # sdx has none of these
+        app.add_api_route(f"/sdapi/v1/{route}", _none, methods=["GET"], name=route)  # sdx has none of these
 
     @app.get("/sdapi/v1/scripts")
     def scripts():
@@ -182,9 +183,18 @@ def create(served, engine, limits: translate.Limits, access: Access, template) -
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def page():
-        return PAGE.read_text(encoding="utf-8")
+        return page_html
 
     return app
+
+
+def _page(pipe) -> str:
+    """The page, its size and CFG fields at the model's defaults (what the sampling command would choose)."""
+    from pipelines.request import Request
+
+    chosen = pipe.complete(Request(prompts=[""]))
+    return (PAGE.read_text(encoding="utf-8").replace("__SIZE__", str(chosen.height))
+            .replace("__CFG__", f"{chosen.guidance_scale:g}"))
 
 
 def _errors(app: FastAPI) -> None:
@@ -204,6 +214,10 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def bug(_request, e: Exception):
         return JSONResponse({"detail": f"internal error ({type(e).__name__}); the server's log has the details"}, 500)
+
+
+def _none() -> list:
+    return []
 
 
 def _caller(request: Request) -> str:

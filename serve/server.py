@@ -71,6 +71,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self.engine.stop()
         super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a stop asked for is a clean exit (status 0), not death by the signal
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
