@@ -9,7 +9,8 @@ touches JAX. An engine provides:
   `job.preview` (an (N, h, w, 3) uint8 picture of the current latents, `serve.preview.approx_rgb`) if it has
   one;
 - cuts: a job whose `cut(...)` was called (interrupt, skip, a client gone, the server stopping) ends at the
-  next step boundary, or is dropped from the queue unrun, with `state` CUT;
+  next step boundary with `state` CUT; a queued one ends at once, and the engine must skip it (`start()` says
+  whether a job is still to run);
 - `stop()`: queued jobs end with `Stopping` (503), the running ones are cut at a step boundary; `join()`
   waits for the worker.
 
@@ -19,8 +20,8 @@ tqdm-like `progress` object generate takes and ending a cut job by raising from 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -60,12 +61,26 @@ class Job:
     started_at: float | None = None
     finished_at: float | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    on_done: Callable[[], None] | None = None  # called once, from the worker thread, when the job ends
+    on_done: Callable[[], None] | None = None  # called once, when the job ends (on the thread that ends it)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def cut(self, reason: str) -> None:
-        """End the job at its next step boundary (or unrun, if queued); the first reason given is kept."""
-        if self.cut_reason is None:
+        """End the job at its next step boundary, or at once if it is still queued; the first reason is kept."""
+        with self._lock:
+            if self.cut_reason is not None or self.done.is_set():
+                return
             self.cut_reason = reason
+            queued = self.state == QUEUED
+        if queued:
+            self.finish(CUT, error=Stopping() if reason == STOPPING else None)
+
+    def start(self) -> bool:
+        """Mark the job running, unless it already ended (cut while queued): whether to run it."""
+        with self._lock:
+            if self.done.is_set() or self.cut_reason is not None:
+                return False
+            self.state, self.started_at = RUNNING, time.monotonic()
+            return True
 
     @property
     def progress(self) -> float:
@@ -111,64 +126,58 @@ class _Progress:
 
 
 class Engine:
-    """One worker thread running one job at a time through `job.pipeline.generate(job.request, progress)`.
-    queue_size: jobs that may wait (a full queue refuses more)."""
+    """One worker thread running one job at a time through `job.pipeline(job.request, progress=...)`
+    (`Pipeline.__call__`, which is `generate`'s images). queue_size: jobs that may wait; a job that ended while
+    queued (cut) no longer holds its place."""
 
     def __init__(self, queue_size: int):
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=queue_size)
+        self._queue: collections.deque[Job] = collections.deque()
+        self._size = queue_size
         self._stopping = False
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._running: Job | None = None
         self._worker = threading.Thread(target=self._work, name="sdx-serve-engine", daemon=True)
         self._worker.start()
 
     def submit(self, job: Job) -> None:
-        with self._lock:
+        with self._changed:
             if self._stopping:
                 raise Stopping
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise QueueFull from None
+            if sum(not j.done.is_set() for j in self._queue) >= self._size:
+                raise QueueFull
+            self._queue.append(job)
+            self._changed.notify()
 
     def stop(self) -> None:
         """Refuse new jobs, end the queued ones with `Stopping`, cut the running one at a step boundary."""
-        with self._lock:
+        with self._changed:
             self._stopping = True
-            running = self._running
-            waiting = []
-            while True:
-                try:
-                    waiting.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            self._queue.put(None)  # the worker's signal to end, once its job is done
-        if running is not None:
-            running.cut(STOPPING)
-        for job in waiting:
-            if job is not None:
-                job.cut(STOPPING)
-                job.finish(CUT, error=Stopping())
+            waiting, running = list(self._queue), self._running
+            self._queue.clear()
+            self._changed.notify()
+        for job in (*waiting, *([running] if running is not None else [])):
+            job.cut(STOPPING)
 
     def join(self, timeout: float | None = None) -> None:
         self._worker.join(timeout)
 
     def _work(self) -> None:
-        while (job := self._queue.get()) is not None:
-            with self._lock:
-                self._running = job
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    return
+                job = self._running = self._queue.popleft()
             try:
                 self._run(job)
             finally:
-                with self._lock:
+                with self._changed:
                     self._running = None
 
     @staticmethod
     def _run(job: Job) -> None:
-        if job.cut_reason is not None:  # cut while it waited
-            job.finish(CUT, error=Stopping() if job.cut_reason == STOPPING else None)
+        if not job.start():  # cut while it waited: already answered
             return
-        job.state, job.started_at = RUNNING, time.monotonic()
         try:
             images = job.pipeline(job.request, progress=_Progress(job))
         except _Cut:

@@ -45,10 +45,10 @@ class Server:
         return found[0]
 
     def get(self, path: str, **kw) -> requests.Response:
-        return requests.get(self.url + path, auth=kw.pop("auth", self.auth), timeout=CALL_TIMEOUT_S, **kw)
+        return requests.get(self.url + path, **{"auth": self.auth, "timeout": CALL_TIMEOUT_S, **kw})
 
     def post(self, path: str, json=None, **kw) -> requests.Response:
-        return requests.post(self.url + path, json=json, auth=kw.pop("auth", self.auth), timeout=CALL_TIMEOUT_S, **kw)
+        return requests.post(self.url + path, json=json, **{"auth": self.auth, "timeout": CALL_TIMEOUT_S, **kw})
 
     def stop(self, timeout: float = 120) -> int:
         """SIGTERM, and the exit status once it ended."""
