@@ -52,6 +52,8 @@ def _checked(text: str, field: str, max_pixels: int) -> bytes:
         with warnings.catch_warnings(), Image.open(io.BytesIO(raw)) as header:
             warnings.simplefilter("ignore")
             size = header.size
+    except Image.DecompressionBombError:  # a header past PIL's own limit, far past ours
+        raise SdxError(f"{field}: more pixels than this server's --max-image-pixels {max_pixels}") from None
     except Exception as e:  # PIL's many types for what is not a picture
         raise SdxError(f"{field}: cannot read the image ({type(e).__name__}: {e})") from None
     if size[0] * size[1] > max_pixels:
