@@ -3,20 +3,15 @@ image, and check it is the API's image for the same settings; then start from a 
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
 from tests.serve_helpers import Server, b64_png, pixels
 from train.shapes import render
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = "/usr/bin/chromium"  # Debian's, which `make test` installs (Playwright's own browsers are never fetched)
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
          "--no-first-run"]
-
-pytestmark = pytest.mark.skipif(shutil.which(CHROMIUM) is None, reason="Debian's chromium is not installed "
-                                                                        "(make test installs it)")
 
 
 @pytest.fixture(scope="module")
