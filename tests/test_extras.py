@@ -1,6 +1,7 @@
 """An entry point that lacks an optional dependency says in one line which extra to install (exit status 2, no
-traceback): each `python -m train.X` without each package of the `train` extra, and `python -m convert` and
-`python -m sdx.sample` reading a pickled checkpoint without torch (the `ckpt` extra). The package is made
+traceback): each `python -m train.X` without each package of the `train` extra, `python -m sdx.serve` without each
+of the `serve` extra, and `python -m convert` and `python -m sdx.sample` reading a pickled checkpoint without torch
+(the `ckpt` extra). The package is made
 unimportable in the child (None in sys.modules, set by a sitecustomize on its PYTHONPATH)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import serve
 import train
 from tests.processes import child_env
 
@@ -43,6 +45,12 @@ def test_a_trainer_without_a_package_of_the_train_extra_names_the_extra(tmp_path
     module, distribution = list(train.EXTRA.items())[COMMANDS.index(command) % len(train.EXTRA)]  # each one in turn
     proc = _run_without(tmp_path, module, ["-m", f"train.{command}", "--help"])
     _one_error_line(proc, f"{distribution} is not installed", "make venv-train", "'.[train]'")
+
+
+@pytest.mark.parametrize("module", sorted(serve.EXTRA))
+def test_the_server_without_a_package_of_the_serve_extra_names_the_extra(tmp_path, module):
+    proc = _run_without(tmp_path, module, ["-m", "sdx.serve", "--help"])
+    _one_error_line(proc, f"{serve.EXTRA[module]} is not installed", "'.[serve]'")
 
 
 @pytest.fixture(scope="module")
