@@ -23,6 +23,7 @@ OK = {"prompt": "a red circle", "steps": 2, "width": 64, "height": 64, "seed": 1
 def server(tmp_path_factory):
     s = Server("--api-auth", "user:pass:word,other:x", "--max-steps", "20", "--max-pixels", str(128 * 128),
                "--max-prompt-length", "300", "--max-image-pixels", str(256 * 256), "--max-body-mb", "0.5",
+               "--cors-allow-origins", "http://page.example:3000",
                cache=tmp_path_factory.mktemp("serve-cache"), auth=AUTH)
     yield s
     assert s.get("/sdapi/v1/sd-models").status_code == 200  # still up after everything below
@@ -118,3 +119,15 @@ def test_a_post_without_credentials_runs_nothing(server):
     assert r.status_code == 401
     r = server.post("/sdapi/v1/txt2img", OK)
     assert r.status_code == 200 and len(r.json()["images"]) == 1
+
+
+def test_cors_lets_the_allowed_origin_call_the_api_and_no_other(server):
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    r = requests.options(server.url + "/sdapi/v1/txt2img", headers={"Origin": "http://page.example:3000", **preflight},
+                         timeout=60)  # a browser's preflight carries no credentials
+    assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "http://page.example:3000"
+    other = requests.options(server.url + "/sdapi/v1/txt2img", headers={"Origin": "http://elsewhere", **preflight},
+                             timeout=60)
+    assert "Access-Control-Allow-Origin" not in other.headers
+    r = server.get("/sdapi/v1/sd-models", headers={"Origin": "http://page.example:3000"})
+    assert r.status_code == 200 and r.headers["Access-Control-Allow-Origin"] == "http://page.example:3000"
