@@ -20,7 +20,7 @@ def load(args: argparse.Namespace) -> Served:
     """The model the flags name, loaded as `python -m sdx.sample` loads it, and what the API lists of it."""
     from convert.library import default_cache_dir
     from convert.sources import ModelOptions
-    from convert.textual_inversion import read_embedding
+    from convert.textual_inversion import SDXL_L, read_embedding
     from pipelines.model_names import resolve_model
     from pipelines.pipeline import Pipeline
     from pipelines.sampler import controlnet_name, enable_compilation_cache
@@ -50,7 +50,7 @@ def load(args: argparse.Namespace) -> Served:
     for path, token in options.embeddings:
         try:
             token, vectors = read_embedding(Path(path), token)
-            first = next(iter(vectors.values()))
+            first = vectors.get(SDXL_L, next(iter(vectors.values())))  # SDXL's: the first text encoder's
             embeddings[token] = (int(first.shape[0]), int(first.shape[1]))
         except SdxError:  # a hub file, read in the conversion: listed by its name, its shape unknown here
             embeddings[token or Path(path).stem] = (None, None)
