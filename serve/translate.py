@@ -129,7 +129,7 @@ def plan(body: Generation, served, limits: Limits, template: argparse.Namespace)
         image_cfg_scale=request.image_guidance_scale if img2img and pipe.family.pix2pix else None,
         width=body.width, height=body.height, model=served.title, vae=served.vae,
         denoising_strength=body.denoising_strength if img2img and not pipe.family.pix2pix else None,
-        clip_skip=clip_stop if clip_stop > 1 else None, mask_blur=args.mask_blur if args.mask else None,
+        clip_skip=clip_stop if clip_stop > 1 else None, mask_blur=int(args.mask_blur) if args.mask else None,
         extra=tuple(u.infotext(served.controlnets[u.net]) for u in units))
     return Planned(request, pipe, shown, [seed + j for j in range(n)], choice.label, finish)
 

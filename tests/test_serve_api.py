@@ -87,6 +87,7 @@ def test_img2img_gives_the_commands_images(server, picture, tmp_path, case):
     (ours,), (theirs,) = [pixels(b) for b in r.json()["images"]], _command(server, tmp_path, *flags)
     np.testing.assert_array_equal(ours, theirs)
     assert "Denoising strength: 0.7" in parameters(r.json()["images"][0])
+    assert ("Mask blur: 3" in parameters(r.json()["images"][0])) == (case != "img2img")
     assert r.json()["parameters"]["init_images"] is None  # include_init_images false, as A1111
 
 
