@@ -12,7 +12,7 @@ DEMO_PROMPTS := "a red circle on a blue background" "a yellow triangle on a purp
 	"a purple circle on a white background" "a black triangle on a red background"
 PROMPT ?=
 
-.PHONY: demo test docs venv venv-train venv-test venv-docs default-models clean
+.PHONY: demo serve test docs venv venv-train venv-test venv-serve venv-docs default-models clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,13 @@ $(VENV)/.test: pyproject.toml | $(BIN)/python
 	# the second scheduler reference, for its sampling.py alone (tests/test_schedulers_kdiffusion.py); its
 	# dependencies would pull torchvision too
 	$(BIN)/pip install -q --no-deps k-diffusion==0.1.1.post1
-	touch $(VENV)/.runtime $(VENV)/.train $(VENV)/.docs $@
+	# the server's page is tested in Debian's Chromium (tests/test_serve_page.py), driven by Playwright's package
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
+	touch $(VENV)/.runtime $(VENV)/.train $(VENV)/.docs $(VENV)/.serve $@
+
+$(VENV)/.serve: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[serve]'
+	touch $(VENV)/.runtime $@
 
 $(VENV)/.docs: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[docs]'
@@ -43,6 +49,7 @@ $(VENV)/.docs: pyproject.toml | $(BIN)/python
 venv: $(VENV)/.runtime
 venv-train: $(VENV)/.train
 venv-test: $(VENV)/.test
+venv-serve: $(VENV)/.serve
 venv-docs: $(VENV)/.docs
 
 # A grid of eight prompts from the default model (outputs/demo-grid.png; the single images in outputs/demo/).
@@ -50,6 +57,10 @@ venv-docs: $(VENV)/.docs
 demo: venv
 	$(BIN)/python -m sdx.sample --model $(MODEL) --prompt $(if $(PROMPT),"$(PROMPT)",$(DEMO_PROMPTS)) \
 		--output outputs/demo --grid outputs/demo-grid.png --overwrite
+
+# The API and page of python -m sdx.serve on http://127.0.0.1:7860 (this machine only), until Ctrl-C.
+serve: venv-serve
+	$(BIN)/python -m sdx.serve --model $(MODEL)
 
 # The default models from scratch (train/recipe.sh): datasets, VAE, text-to-image, InstructPix2Pix, pack, evaluation.
 default-models: venv-train

@@ -36,6 +36,7 @@ class Command:
 # every command the pages show -> where its parser is
 COMMANDS = {
     "python -m sdx.sample": Command("pipelines.cli"),
+    "python -m sdx.serve": Command("serve.cli"),
     "python -m convert": Command("convert.cli"),
     **{f"python -m train.{task}{'_lora' if lora else ''}": Command("train.config", (task, lora))
        for task, lora in (("pix2pix", False), ("text_to_image", False), ("text_to_image", True), ("dreambooth", False),

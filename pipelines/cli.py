@@ -248,7 +248,14 @@ def check_flags(args: argparse.Namespace) -> tuple:
         raise SdxError(f"--config {args.config}: not a folder")
     latents = load_latents(args.latents) if args.latents else None
     sampling_cli.check(args)
-    return latents, picture, mask, {method.title: method.check(args) for method in METHODS}
+    return latents, picture, mask, read_flags(args)
+
+
+def read_flags(args: argparse.Namespace, given: dict | None = None) -> dict:
+    """{method title: what its `check` of `args` read}, or what `given` holds for it instead (pictures a caller
+    decoded itself, as the server does)."""
+    given = given or {}
+    return {method.title: given[method.title] if method.title in given else method.check(args) for method in METHODS}
 
 
 def _check_image_flags(args: argparse.Namespace) -> None:
@@ -457,7 +464,7 @@ def _request(job: Job, pipe):
     a = job.args
     picture = job.picture if job.picture is not None or not a.image else read_image(a.image)
     mask_picture = job.mask if job.mask is not None or not a.mask else read_mask(a.mask)
-    read = job.read if job.read is not None else {method.title: method.check(a) for method in METHODS}
+    read = job.read if job.read is not None else read_flags(a)
     size = (a.height, a.width) if a.height and a.width else None
     blur, crop = a.mask_blur, None
     if a.padding_mask_crop is not None:  # the crop around the mask, at the asked or the model's size

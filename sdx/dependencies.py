@@ -26,6 +26,7 @@ REQUIRED = {  # [project] dependencies
 EXTRAS = {  # [project.optional-dependencies] that commands need, by the package of their modules
     "train": {"orbax.checkpoint": "orbax-checkpoint", "grain": "grain", "pyarrow": "pyarrow",
               "tensorboardX": "tensorboardX", "absl": "absl-py"},
+    "serve": {"fastapi": "fastapi", "uvicorn": "uvicorn", "pydantic": "pydantic"},
 }
 REPO = Path(__file__).resolve().parent.parent  # a checkout's root (with the Makefile), where `make venv` puts .venv
 VENV = REPO / ".venv"

@@ -35,12 +35,14 @@ SLOW_FILES = (
     "tests/test_train_cli.py",  # ~150
     "tests/test_default_models.py",  # ~140
     "tests/test_pipelines.py",  # ~120
+    "tests/test_serve_api.py",  # ~95 (2026-12-06, a busy VM: a server, and the sampling command beside it)
     "tests/test_inpaint.py",  # ~110
     "tests/test_train_vae.py",  # ~110
     "tests/test_t2i_adapter_pipelines.py",  # ~110
     "tests/test_controlnet_pipelines.py",  # ~90
     "tests/test_randomness.py",  # ~90
     "tests/test_research_sampling.py",  # ~85
+    "tests/test_serve_progress.py",  # ~60 (one server, long requests watched)
     "tests/test_research_default_model.py",  # ~70
     "tests/test_ip_adapter_pipelines.py",  # ~80
     "tests/test_edm_models.py",  # ~80 (Playground, CosXL, CosXL Edit against diffusers)
@@ -60,6 +62,7 @@ SLOW_FILES = (
     "tests/test_train_controlnet.py",  # ~40
     "tests/test_textual_inversion.py",  # ~40
     "tests/test_nonfinite.py",  # ~30
+    "tests/test_serve_controlnet.py",  # ~30
     "tests/test_train_objective.py",  # ~30
     "tests/test_train_checkpoint.py",  # ~30
     "tests/test_prompts_file.py",  # ~30

@@ -1,7 +1,8 @@
 """An entry point run by a Python that lacks what it needs says in one line what is missing, which Python ran and
 what to do (exit status 2, no traceback; `sdx.dependencies`): every command run by a Python without sdx's
 dependencies at all (`-S`: no site-packages), with and without a `.venv` beside the repository that has them; each
-`python -m train.X` without each package of the `train` extra; and `python -m convert` and `python -m sdx.sample`
+`python -m train.X` without each package of the `train` extra, `python -m sdx.serve` without each of the `serve`
+extra; and `python -m convert` and `python -m sdx.sample`
 reading a pickled checkpoint without torch (the `ckpt` extra). A package is made unimportable in the child by None
 in sys.modules, set by a sitecustomize on its PYTHONPATH."""
 
@@ -115,6 +116,13 @@ def test_a_trainer_told_to_use_the_venv_that_has_the_extra(tmp_path):
                           capture_output=True, text=True, timeout=120)
     _one_error_line(proc, "python -m train.shapes: ", "lacks the `train` extra (grain)", "use .venv/bin/python")
     assert "make venv" not in proc.stderr and "sdx's dependencies" not in proc.stderr
+
+
+@pytest.mark.parametrize("module", sorted(dependencies.EXTRAS["serve"]))
+def test_the_server_without_a_package_of_the_serve_extra_names_the_extra(tmp_path, module):
+    proc = _run_without(tmp_path, module, ["-m", "sdx.serve", "--help"])
+    _one_error_line(proc, "python -m sdx.serve: ", f"the `serve` extra ({dependencies.EXTRAS['serve'][module]})",
+                    "make venv-serve", "[serve]'")
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The project's shape, checked: the import layers (import-linter) and the declared dependencies (deptry).
 
 sdx (models, schedulers, weights, mesh) is the core and imports nothing above it; convert/ may use
-sdx; pipelines/ may use both; train/ may use all three (pyproject's [tool.importlinter]). Every
+sdx; pipelines/ may use both; train/ and serve/ may use all three, and not each other (pyproject's
+[tool.importlinter]). Every
 third-party import in the packages is a declared dependency, and the test extra's (torch,
 diffusers, ...) are imported by tests/ and benchmarks/ only (pyproject's [tool.deptry]). Each check
 is also run once on a planted violation, so a configuration that checks nothing fails here.
@@ -20,10 +21,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("sdx", "convert", "pipelines", "train")
-HIGHER = {"sdx": ("convert", "pipelines", "train")}
-# The one file in sdx allowed to reach a higher layer at run time (see its docstring).
-RUNTIME_HAND_OVER = {"sdx/sample.py": "pipelines.cli"}
+PACKAGES = ("sdx", "convert", "pipelines", "train", "serve")
+HIGHER = {"sdx": ("convert", "pipelines", "train", "serve")}
+# The files in sdx allowed to reach a higher layer at run time (see their docstrings): the documented commands.
+RUNTIME_HAND_OVER = {"sdx/sample.py": "pipelines.cli", "sdx/serve.py": "serve.cli"}
 
 
 def _tool(name: str) -> str:
@@ -78,9 +79,10 @@ def _runtime_imports(path: Path) -> list[str]:
     return found
 
 
-def test_only_sdx_sample_reaches_up_at_run_time():
+def test_only_the_command_shims_reach_up_at_run_time():
     """Import statements are import-linter's; a run-time import names its module in a string. In sdx,
-    only sdx/sample.py (the documented `python -m sdx.sample`) may name a higher layer so."""
+    only sdx/sample.py and sdx/serve.py (the documented `python -m sdx.sample` and `python -m sdx.serve`) may
+    name a higher layer so."""
     reaching = {}
     for path in sorted((REPO / "sdx").rglob("*.py")):
         up = [m for m in _runtime_imports(path) if m.split(".")[0] in HIGHER["sdx"] or "/" in m]
@@ -89,10 +91,11 @@ def test_only_sdx_sample_reaches_up_at_run_time():
     assert reaching == RUNTIME_HAND_OVER
 
 
-def test_sdx_sample_runs_the_pipelines_cli():
-    r = _run(sys.executable, "-m", "sdx.sample", "--help")
-    assert r.returncode == 0 and r.stdout.startswith("usage: python -m sdx.sample"), r.stdout + r.stderr
-    r = _run(sys.executable, "-c", "import sys, sdx.sample; assert 'pipelines' not in sys.modules")
+@pytest.mark.parametrize("command, package", [("sample", "pipelines"), ("serve", "serve")])
+def test_the_command_shims_run_their_commands(command, package):
+    r = _run(sys.executable, "-m", f"sdx.{command}", "--help")
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: python -m sdx.{command}"), r.stdout + r.stderr
+    r = _run(sys.executable, "-c", f"import sys, sdx.{command}; assert '{package}' not in sys.modules")
     assert r.returncode == 0, r.stderr
 
 

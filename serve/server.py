@@ -1,0 +1,95 @@
+"""Loading the model and serving it: uvicorn with the engine stopped first on SIGINT and SIGTERM, and the address
+printed once the socket listens."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from serve.model import Served, shown_name
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load(args: argparse.Namespace) -> Served:
+    """The model the flags name, loaded as `python -m sdx.sample` loads it, and what the API lists of it."""
+    from convert.library import default_cache_dir
+    from convert.sources import ModelOptions
+    from convert.textual_inversion import SDXL_L, read_embedding
+    from pipelines.model_names import resolve_model
+    from pipelines.pipeline import Pipeline
+    from pipelines.sampler import enable_compilation_cache
+    from sdx import mesh as meshlib
+    from sdx import model_folder
+    from sdx.attention import default_backend
+    from sdx.errors import SdxError
+
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    if not args.no_compilation_cache:
+        enable_compilation_cache(cache / "jax")
+    meshlib.initialize()
+    mesh = meshlib.make_mesh(args.fsdp)
+    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
+                                     embedding=args.embedding, unet=args.unet)
+    model = args.model or "default"
+    folder = resolve_model(model, dtype=args.dtype, cache=cache, log=_log, options=options)
+    pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, mesh=mesh, name=model,
+                         attention=args.attention or default_backend(args.dtype), controlnets=tuple(args.controlnet),
+                         cache=cache, log=_log)
+    plain = dataclasses.replace(pipe, conditioners={})  # the same sampler, its ControlNets left out: no units
+    embeddings = {}
+    for path, token in options.embeddings:
+        try:
+            token, vectors = read_embedding(Path(path), token)
+            first = vectors.get(SDXL_L, next(iter(vectors.values())))  # SDXL's: the first text encoder's
+            embeddings[token] = (int(first.shape[0]), int(first.shape[1]))
+        except SdxError:  # a hub file, read in the conversion: listed by its name, its shape unknown here
+            embeddings[token or Path(path).stem] = (None, None)
+    return Served(pipeline=pipe, plain=plain, scheduler_config=model_folder.scheduler_config(folder),
+                  title=shown_name(model), vae=shown_name(args.vae) if args.vae else None,
+                  controlnets=tuple(shown_name(c) for c in args.controlnet),
+                  loras=tuple((Path(p).stem, s) for p, s in options.loras), embeddings=embeddings)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server that stops the engine before its own shutdown (so that requests waiting on queued jobs
+    are answered, not waited for) and prints where it listens once it does."""
+
+    def __init__(self, config: uvicorn.Config, engine, title: str):
+        super().__init__(config)
+        self.engine, self.title = engine, title
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine.stop()
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()  # a stop asked for is a clean exit (status 0), not death by the signal
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            print(f"serving {self.title} at http://{host}:{port} (the API at /sdapi/v1, its schema at /docs)",
+                  flush=True)
+
+
+def run(args: argparse.Namespace, settings) -> None:
+    """Load, then serve until SIGINT or SIGTERM (`serve.cli.Settings`)."""
+    from pipelines import cli as sampling
+    from serve.app import Access, create
+    from serve.engine import Engine
+
+    served = load(args)
+    engine = Engine(settings.queue_size)
+    app = create(served, engine, settings.limits, Access(settings.users, settings.cors_origins),
+                 sampling.parser().parse_args([]))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=30)
+    _Server(config, engine, served.title).run()
+    engine.stop()
+    engine.join(timeout=30)
