@@ -29,7 +29,7 @@ from pipelines.family import Family, family_of
 from pipelines.image_prompt import ImagePrompt
 from pipelines.plugin import Input, model_name
 from pipelines.request import Request, batches, validate
-from pipelines.sampler import Sampler, working_bytes
+from pipelines.sampler import Sampled, Sampler, working_bytes
 from pipelines.t2i_adapter import AdapterImage
 from sdx import mesh as meshlib
 from sdx import model_folder, schedulers, weights
@@ -46,6 +46,42 @@ class NonFiniteImages(SdxError):
         super().__init__("; ".join(f"image {i}: {why}" for i, why in bad.items())
                          + ". The weights may overflow in this dtype (try --dtype float32) or a LoRA scale may be "
                            "too large; nothing was written for these images")
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Some images of a sampler call (whose out may be on the host already), on the host: out (n, H, W, 3) images
+    roughly in [-1, 1], or latents; bad:
+    {index among them: why it came out NaN or inf}; readouts: the interventions' (`Sampled.readouts`) of these."""
+
+    out: np.ndarray
+    bad: dict[int, str]
+    readouts: tuple
+
+    @classmethod
+    def of(cls, sampled: Sampled, plan, rows) -> Part:
+        """Images `rows` (indices) of a sampler call of `plan`."""
+        rows = list(rows)
+        bad = {}
+        for i, j in enumerate(rows):
+            if sampled.bad_step[j]:
+                bad[i] = f"the latents became NaN or inf at step {sampled.bad_step[j]} of {plan.steps}"
+            elif sampled.bad_decode[j]:
+                bad[i] = "the VAE decoded its finite latents to NaN or inf (in float32 too)"
+        out = sampled.out if isinstance(sampled.out, np.ndarray) else meshlib.to_host(sampled.out)
+        return cls(out[rows], bad, jax.tree.map(lambda a: a[rows], sampled.readouts))
+
+    @staticmethod
+    def joined(parts: list[Part], latents: bool = False) -> Generated:
+        """A request's result from its parts in order: images in [0, 1] (latents as they are, with `latents`);
+        `NonFiniteImages` when some came out NaN or inf."""
+        out = np.concatenate([p.out for p in parts])
+        out = out if latents else np.clip(out / 2 + 0.5, 0.0, 1.0)
+        offsets = np.cumsum([0] + [len(p.out) for p in parts])
+        bad = {int(first) + i: why for p, first in zip(parts, offsets) for i, why in p.bad.items()}
+        if bad:
+            raise NonFiniteImages(out, bad)
+        return Generated(out, jax.tree.map(lambda *each: np.concatenate(each), *[p.readouts for p in parts]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,29 +261,20 @@ class Pipeline:
 
     def generate(self, request: Request, progress=None) -> Generated:
         """`__call__`'s images with what the request's interventions read out, one entry each."""
-        request = self.complete(request)
-        self.validate(request)
-        work = self._work(self.fitted(request))
+        work = self.work(request)
         if progress is not None:
             progress.total = (progress.total or 0) + sum(inputs.state.num_calls for _, inputs, _ in work)
             progress.refresh()
         report = None if progress is None else progress.update
-        outs, bad, readouts = [], {}, []
-        for plan, inputs, real in work:
-            sampled, first = self.sampler(plan, inputs, report), sum(map(len, outs))
-            for j in range(real):
-                i = first + j
-                if sampled.bad_step[j]:
-                    bad[i] = f"the latents became NaN or inf at step {sampled.bad_step[j]} of {plan.steps}"
-                elif sampled.bad_decode[j]:
-                    bad[i] = "the VAE decoded its finite latents to NaN or inf (in float32 too)"
-            outs.append(meshlib.to_host(sampled.out)[:real])
-            readouts.append(jax.tree.map(lambda a, real=real: a[:real], sampled.readouts))
-        out = np.concatenate(outs)
-        out = out if request.output_latents else np.clip(out / 2 + 0.5, 0.0, 1.0)
-        if bad:
-            raise NonFiniteImages(out, bad)
-        return Generated(out, jax.tree.map(lambda *parts: np.concatenate(parts), *readouts))
+        parts = [Part.of(self.sampler(plan, inputs, report), plan, range(real)) for plan, inputs, real in work]
+        return Part.joined(parts, request.output_latents)
+
+    def work(self, request: Request) -> list:
+        """[(plan, inputs, real)]: the sampler calls `request` makes (`pipelines.request.batches`; `real` of each
+        call's images are the request's), once it is completed, checked and fitted to free memory."""
+        request = self.complete(request)
+        self.validate(request)
+        return self._work(self.fitted(request))
 
     def prefetch(self, request: Request) -> None:
         """Start reading the stored programs `request` will run (`Sampler.prefetch`); nothing when its batch

@@ -196,6 +196,45 @@ class Inputs:
     plugins: tuple = ()
 
 
+# `Inputs`' fields with one row per image (arrays, or pytrees of them, with the batch's rows first); the others
+# (the scheduler's tables, the guider's and the interventions' values) are the same for every row
+PER_ROW = ("ids", "negative_ids", "zero_negative", "noise", "keys", "scales", "time_ids", "negative_time_ids", "image",
+           "mask", "prompt_weights", "plugins")
+
+
+def take_rows(inputs: Inputs, rows) -> Inputs:
+    """`inputs` of some of its images: `rows` (indices) of every per-row field (`PER_ROW`; an image or mask that is
+    absent, (0, 0, 0, 0), stays so); the rest as it is."""
+    pick = lambda a: a if np.shape(a)[0] == 0 else np.asarray(a)[np.asarray(rows)]  # noqa: E731
+    return dataclasses.replace(inputs, **{f: jax.tree.map(pick, getattr(inputs, f)) for f in PER_ROW})
+
+
+def stack(parts: list[Inputs], plan: Plan) -> Inputs:
+    """The inputs of one call of `plan` (its batch) made of `parts`' rows (inputs of the same plan but for its
+    batch, and the same shared values), in order, the last row repeated to fill the batch; the scheduler's
+    state made for the batch."""
+    rows = sum(np.shape(p.noise)[0] for p in parts)
+    if rows > plan.batch:
+        raise ValueError(f"{rows} rows for a batch of {plan.batch}")
+
+    def join(*leaves):
+        if np.shape(leaves[0])[0] == 0:
+            return leaves[0]
+        joined = np.concatenate([np.asarray(a) for a in leaves])
+        return np.concatenate([joined, np.repeat(joined[-1:], plan.batch - rows, axis=0)])
+
+    noise = np.shape(parts[0].noise)
+    state = plan.scheduler.set_timesteps(plan.steps, (plan.batch, *noise[1:]), begin=plan.begin, end=plan.end)
+    fields = {f: jax.tree.map(join, *[getattr(p, f) for p in parts]) for f in PER_ROW}
+    return dataclasses.replace(parts[0], state=state, **fields)
+
+
+def shared_values(inputs: Inputs) -> bytes:
+    """What `inputs` hold that is the same for every row (the guider's and the interventions' values): requests
+    whose plans are equal and whose shared values are equal can be `stack`ed into one call."""
+    return b"".join(np.asarray(a).tobytes() for a in jax.tree.leaves((inputs.guider, inputs.interventions)))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Carry:
@@ -658,9 +697,12 @@ class Sampler:
             self.compile_log(plan, time.perf_counter() - t0)
         return self._programs[plan]
 
-    def __call__(self, plan: Plan, inputs: Inputs, progress: Callable[[int], None] | None = None) -> Sampled:
+    def __call__(self, plan: Plan, inputs: Inputs, progress: Callable[[int], None] | None = None,
+                 watch: Callable[[jax.Array], None] | None = None) -> Sampled:
         """Images (B, H, W, 3) float32 roughly in [-1, 1], or latents (B, h, w, C) when not plan.decode,
-        with what came out non-finite. progress(n) is called as each denoise call's n model calls finish."""
+        with what came out non-finite. progress(n) is called as each denoise call's n model calls finish;
+        watch(latents) after each denoise call is queued, with its latents (B, h, w, C) on the device: valid
+        until watch returns (the next call takes over their buffer), so reading them waits for the call."""
         meshlib.check_batch(self.mesh, plan.batch)
         inputs = self.place(inputs)
         programs = self.compiled(plan, inputs)
@@ -672,6 +714,8 @@ class Sampler:
         queued = []  # (index output, calls) of denoise calls not yet reported
         for calls in programs.sizes:
             carry, index = programs.denoise[calls](self._denoise_params(plan), carry, fixed)
+            if watch is not None:
+                watch(carry.latents)
             if progress is not None:
                 queued.append((index, calls))
                 if len(queued) > 1:  # report a call once done, while the next one already waits on the device

@@ -97,6 +97,7 @@ def create(served, engine, limits: translate.Limits, access: Access, template) -
         if job is None or job.done.is_set():
             return {"progress": 0.0, "eta_relative": 0.0, "state": _state(None), "current_image": None,
                     "textinfo": None, "current_task": None}
+        job.wants_preview = job.wants_preview or not skip_current_image
         preview = None if skip_current_image else _preview_png(job)
         return {"progress": job.progress, "eta_relative": _eta(job) or 0.0, "state": _state(job),
                 "current_image": None if preview is None else images.b64(preview),
@@ -108,6 +109,7 @@ def create(served, engine, limits: translate.Limits, access: Access, template) -
         if job is None:
             return {"active": False, "queued": False, "paused": False, "completed": False, "progress": None,
                     "eta": None, "live_preview": None, "id_live_preview": -1, "textinfo": "Waiting..."}
+        job.wants_preview = job.wants_preview or body.live_preview
         preview = _preview_png(job) if body.live_preview and job.calls_done != body.id_live_preview else None
         return {"active": job.state == engines.RUNNING, "queued": job.state == engines.QUEUED, "paused": False,
                 "completed": job.done.is_set(), "progress": job.progress, "eta": _eta(job),

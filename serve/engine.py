@@ -5,22 +5,20 @@ and `submit`s it; it then waits for `Job.done` and reads `images` or `error`. On
 touches JAX. An engine provides:
 
 - `submit(job)`: queue it, or raise `QueueFull` (the route answers 503 with Retry-After) or `Stopping`;
-- progress: `job.calls_total` (the model calls the job will make) and `job.calls_done` as they finish, and
-  `job.preview` (an (N, h, w, 3) uint8 picture of the current latents, `serve.preview.approx_rgb`) if it has
-  one;
+- progress: `job.calls_total` (the model calls the job will make) and `job.calls_done` as they finish, and,
+  while a client asks for it (`job.wants_preview`), `job.preview` (an (N, h, w, 3) uint8 picture of the current
+  latents, `serve.preview.approx_rgb`);
 - cuts: a job whose `cut(...)` was called (interrupt, skip, a client gone, the server stopping) ends at the
   next step boundary with `state` CUT; a queued one ends at once, and the engine must skip it (`start()` says
   whether a job is still to run);
 - `stop()`: queued jobs end with `Stopping` (503), the running ones are cut at a step boundary; `join()`
   waits for the worker.
 
-`Engine` here runs one job at a time through `Pipeline.generate`, counting its model calls through the
-tqdm-like `progress` object generate takes and ending a cut job by raising from its `update`.
+The engine is `serve.batcher.Batcher`, which runs compatible jobs together.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 import time
@@ -54,6 +52,7 @@ class Job:
     calls_done: int = 0
     calls_total: int = 0
     preview: np.ndarray | None = None
+    wants_preview: bool = False  # a client asked for the preview: the engine makes one after each model call
     images: np.ndarray | None = None  # DONE: (N, H, W, 3) floats in [0, 1]
     error: BaseException | None = None  # FAILED: what went wrong; CUT by the server stopping: Stopping
     cut_reason: str | None = None  # INTERRUPTED, SKIPPED, DISCONNECTED or STOPPING
@@ -94,95 +93,3 @@ class Job:
         self.done.set()
         if self.on_done is not None:
             self.on_done()
-
-
-class _Cut(Exception):
-    """Raised from a cut job's progress update: ends `Pipeline.generate` at a step boundary."""
-
-
-class _Progress:
-    """The tqdm-like object `Pipeline.generate` reports to: it counts the job's model calls and raises `_Cut`
-    once the job was cut."""
-
-    def __init__(self, job: Job):
-        self.job = job
-
-    @property
-    def total(self) -> int:
-        return self.job.calls_total
-
-    @total.setter
-    def total(self, value: int) -> None:
-        self.job.calls_total = value
-
-    def update(self, n: int = 1) -> None:
-        self.job.calls_done += n
-        if self.job.cut_reason is not None:
-            raise _Cut
-
-    def refresh(self) -> None:
-        if self.job.cut_reason is not None:
-            raise _Cut
-
-
-class Engine:
-    """One worker thread running one job at a time through `job.pipeline(job.request, progress=...)`
-    (`Pipeline.__call__`, which is `generate`'s images). queue_size: jobs that may wait; a job that ended while
-    queued (cut) no longer holds its place."""
-
-    def __init__(self, queue_size: int):
-        self._queue: collections.deque[Job] = collections.deque()
-        self._size = queue_size
-        self._stopping = False
-        self._changed = threading.Condition()
-        self._running: Job | None = None
-        self._worker = threading.Thread(target=self._work, name="sdx-serve-engine", daemon=True)
-        self._worker.start()
-
-    def submit(self, job: Job) -> None:
-        with self._changed:
-            if self._stopping:
-                raise Stopping
-            if sum(not j.done.is_set() for j in self._queue) >= self._size:
-                raise QueueFull
-            self._queue.append(job)
-            self._changed.notify()
-
-    def stop(self) -> None:
-        """Refuse new jobs, end the queued ones with `Stopping`, cut the running one at a step boundary."""
-        with self._changed:
-            self._stopping = True
-            waiting, running = list(self._queue), self._running
-            self._queue.clear()
-            self._changed.notify()
-        for job in (*waiting, *([running] if running is not None else [])):
-            job.cut(STOPPING)
-
-    def join(self, timeout: float | None = None) -> None:
-        self._worker.join(timeout)
-
-    def _work(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait_for(lambda: self._queue or self._stopping)
-                if not self._queue:
-                    return
-                job = self._running = self._queue.popleft()
-            try:
-                self._run(job)
-            finally:
-                with self._changed:
-                    self._running = None
-
-    @staticmethod
-    def _run(job: Job) -> None:
-        if not job.start():  # cut while it waited: already answered
-            return
-        try:
-            images = job.pipeline(job.request, progress=_Progress(job))
-        except _Cut:
-            job.finish(CUT, error=Stopping() if job.cut_reason == STOPPING else None)
-        except Exception as e:  # the route tells the user's errors (SdxError) from bugs
-            job.finish(FAILED, error=e)
-        else:
-            job.finish(DONE, images=images)

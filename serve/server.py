@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import uvicorn
@@ -82,14 +83,29 @@ def run(args: argparse.Namespace, settings) -> None:
     """Load, then serve until SIGINT or SIGTERM (`serve.cli.Settings`)."""
     from pipelines import cli as sampling
     from serve.app import Access, create
-    from serve.engine import Engine
+    from serve.batcher import Batcher
 
     served = load(args)
-    engine = Engine(settings.queue_size)
-    app = create(served, engine, settings.limits, Access(settings.users, settings.cors_origins),
-                 sampling.parser().parse_args([]))
+    engine = Batcher(settings.queue_size, settings.max_batch, settings.batch_wait_ms / 1000)
+    template = sampling.parser().parse_args([])
+    if settings.warmup:
+        started = time.perf_counter()
+        plans = engine.warm(warmup_jobs(served, settings.warmup, settings.limits, template))
+        _log(f"compiled {plans} program sets for --warmup in {time.perf_counter() - started:.1f} s")
+    app = create(served, engine, settings.limits, Access(settings.users, settings.cors_origins), template)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=30)
     _Server(config, engine, served.title).run()
     engine.stop()
     engine.join(timeout=30)
+
+
+def warmup_jobs(served: Served, sizes, limits, template: argparse.Namespace) -> list:
+    """A txt2img with A1111's defaults at each --warmup size, as the jobs whose programs `Batcher.warm` compiles."""
+    from serve import bodies, engine, translate
+
+    jobs = []
+    for height, width in sizes:
+        planned = translate.plan(bodies.Txt2Img(prompt="", height=height, width=width), served, limits, template)
+        jobs.append(engine.Job(planned.request, planned.pipeline, "warmup", "server"))
+    return jobs

@@ -149,10 +149,13 @@ def test_png_info_reads_the_parameters_back(server):
 
 
 def test_each_images_infotext_seed_reproduces_it_alone(server):
-    """A1111's all_seeds: image j of a request seeded s is the image seeded s + j alone."""
+    """A1111's all_seeds: image j of a request seeded s is the image seeded s + j alone (one image a call, where
+    XLA's kernels round otherwise than in a call of three: at most one 8-bit level, serve/batcher.py)."""
     body = {"prompt": PROMPT, "steps": 3, "width": 64, "height": 64, "seed": 20, "batch_size": 3}
     together = server.post("/sdapi/v1/txt2img", body).json()["images"]
     for image in together:
         seed = int(parameters(image).split("Seed: ")[1].split(",")[0])
         alone = server.post("/sdapi/v1/txt2img", {**body, "seed": seed, "batch_size": 1}).json()["images"][0]
-        np.testing.assert_array_equal(pixels(image), pixels(alone))
+        apart = np.abs(pixels(image).astype(int) - pixels(alone))
+        print(f"seed {seed}: alone against in a batch of 3, 8-bit max {apart.max()}, mean {apart.mean():.4f}")
+        assert apart.max() <= 1 and apart.mean() < 0.01

@@ -1,112 +1,151 @@
-"""The server's engine (serve/engine.py) with a stand-in pipeline: one job at a time, model calls counted, a cut
-job ended at its next step, a bounded queue, and a stop that answers the queued jobs."""
+"""The server's engine (serve/batcher.py) on the random-weight `tiny` model: requests that share a compiled program
+run in one sampler call, each image the bits its request gets alone at that batch size (and its lone run to XLA's
+rounding across batch sizes); a cut job ends at its next step and the others of its call are untouched; calls
+count per job; a bounded queue; a stop that answers the queued jobs; max_batch 1 is one job at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
 import pytest
 
-from serve.engine import CUT, DONE, FAILED, INTERRUPTED, Engine, Job, QueueFull, Stopping, STOPPING
-from sdx.errors import SdxError
+from pipelines.pipeline import Pipeline
+from pipelines.request import Request
+from serve.batcher import Batcher, buckets
+from serve.engine import CUT, DONE, FAILED, INTERRUPTED, STOPPING, Job, QueueFull, Stopping
+
+BASE = dict(height=32, width=32, steps=3)
+REQUESTS = [  # different users: prompts, seeds, guidance scales and image counts all differ
+    Request(prompts=["a fox"], seed=1, guidance_scale=7.0, **BASE),
+    Request(prompts=["a red kite", "a boat"], seed=40, guidance_scale=3.5, **BASE),
+    Request(prompts=["a lighthouse"], seed=7, guidance_scale=9.0, negative_prompts=["fog"], **BASE),
+]
 
 
-class Stepper:
-    """A pipeline that makes `calls` model calls, each waiting for a go from the test (None: no waiting)."""
-
-    def __init__(self, calls: int, gate: threading.Semaphore | None = None, fail: Exception | None = None):
-        self.calls, self.gate, self.fail, self.ran = calls, gate, fail, []
-
-    def __call__(self, request, progress=None):
-        self.ran.append(request)
-        progress.total = (progress.total or 0) + self.calls
-        progress.refresh()
-        for _ in range(self.calls):
-            if self.gate is not None:
-                assert self.gate.acquire(timeout=30)
-            if self.fail is not None:
-                raise self.fail
-            progress.update(1)
-        return np.full((1, 2, 2, 3), 0.5, np.float32)
+@pytest.fixture(scope="module")
+def pipe():
+    return Pipeline.load("tiny")
 
 
-def _job(pipeline, name: str = "a") -> Job:
-    return Job(request=name, pipeline=pipeline, task_id=f"task({name})", caller="someone")
+class Calls:
+    """Counts the sampler's calls (and their batch sizes) of a pipeline; `gate`: each model call waits for a go."""
+
+    def __init__(self, pipe, monkeypatch, gate: threading.Semaphore | None = None):
+        self.sizes, sampler = [], pipe.sampler
+        run = type(sampler).__call__
+
+        def spied(this, plan, inputs, progress=None, watch=None):
+            self.sizes.append(plan.batch)
+
+            def gated(n):
+                if gate is not None:
+                    assert gate.acquire(timeout=60)
+                if progress is not None:
+                    progress(n)
+            return run(this, plan, inputs, gated, watch)
+
+        monkeypatch.setattr(type(sampler), "__call__", spied)
 
 
-def test_a_job_runs_and_its_calls_are_counted():
-    engine, job = Engine(queue_size=2), _job(Stepper(5))
-    engine.submit(job)
-    assert job.done.wait(30)
-    assert (job.state, job.calls_done, job.calls_total, job.progress) == (DONE, 5, 5, 1.0)
-    assert job.images.shape == (1, 2, 2, 3) and job.error is None and job.started_at <= job.finished_at
+def _job(pipe, request, name="job") -> Job:
+    return Job(request=request, pipeline=pipe, task_id=f"task({name})", caller=name)
+
+
+def _all(engine: Batcher, jobs: list[Job]) -> None:
+    for job in jobs:
+        engine.submit(job)
+    for job in jobs:
+        assert job.done.wait(300), job
+
+
+def test_buckets_are_powers_of_two_of_the_devices_up_to_max_batch():
+    assert buckets(8, 1) == [1, 2, 4, 8] and buckets(6, 1) == [1, 2, 4, 6] and buckets(8, 4) == [4, 8]
+    assert buckets(1, 1) == [1] and buckets(3, 2) == [2, 4]
+
+
+def test_different_requests_run_in_one_call_each_as_it_runs_alone(pipe, monkeypatch):
+    calls = Calls(pipe, monkeypatch)
+    engine = Batcher(queue_size=8, max_batch=8, wait_s=2.0)
+    jobs = [_job(pipe, r, f"user{k}") for k, r in enumerate(REQUESTS)]
+    _all(engine, jobs)
     engine.stop()
-    engine.join(30)
+    assert [j.state for j in jobs] == [DONE] * 3 and calls.sizes == [4]  # 4 images in one call of 4
+    assert [j.calls_done for j in jobs] == [j.calls_total for j in jobs] == [3, 3, 3]
+    for job in jobs:
+        n = job.request.num_images
+        alone_same_size = pipe(dataclasses.replace(job.request, batch_size=4))  # padded to the call's size
+        alone = pipe(job.request)  # at its own size
+        np.testing.assert_array_equal(job.images, alone_same_size[:n])
+        err = float(np.abs(job.images - alone).max())
+        print(f"{job.caller}: bit for bit its run at batch 4; against its run at batch {n}: max abs {err:.1e}")
+        assert err < 1e-5
 
 
-def test_a_cut_job_ends_at_its_next_step_and_the_next_job_runs():
+def test_plans_that_differ_run_apart_and_max_batch_one_is_one_job_at_a_time(pipe, monkeypatch):
+    calls = Calls(pipe, monkeypatch)
+    engine = Batcher(queue_size=8, max_batch=8, wait_s=1.0)
+    other_steps = dataclasses.replace(REQUESTS[0], steps=2)
+    _all(engine, [_job(pipe, REQUESTS[0], "a"), _job(pipe, other_steps, "b")])
+    engine.stop()
+    assert sorted(calls.sizes) == [1, 1]
+    calls.sizes.clear()
+    engine = Batcher(queue_size=8, max_batch=1, wait_s=1.0)
+    _all(engine, [_job(pipe, r, f"u{k}") for k, r in enumerate(REQUESTS)])
+    engine.stop()
+    assert calls.sizes == [1, 2, 1]  # a job of two images still runs whole, alone
+
+
+def test_a_cut_job_ends_at_its_next_step_and_leaves_the_others_images_alone(pipe, monkeypatch):
     gate = threading.Semaphore(0)
-    engine, slow, after = Engine(queue_size=2), _job(Stepper(10, gate), "slow"), _job(Stepper(2), "after")
-    engine.submit(slow)
-    engine.submit(after)
-    gate.release(3)
-    threading.Event().wait(0.2)
-    slow.cut(INTERRUPTED)
+    Calls(pipe, monkeypatch, gate)
+    engine = Batcher(queue_size=8, max_batch=8, wait_s=2.0)
+    cut, kept = _job(pipe, REQUESTS[0], "cut"), _job(pipe, REQUESTS[2], "kept")
+    engine.submit(cut)
+    engine.submit(kept)
+    gate.release(1)
+    threading.Event().wait(3.0)
+    cut.cut(INTERRUPTED)
     gate.release(10)
-    assert slow.done.wait(30) and after.done.wait(30)
-    assert (slow.state, slow.cut_reason, slow.images, slow.error) == (CUT, INTERRUPTED, None, None)
-    assert 3 <= slow.calls_done < 10  # it stopped at the step after the cut
-    assert after.state == DONE
+    assert cut.done.wait(300) and kept.done.wait(300)
+    assert (cut.state, cut.cut_reason, cut.images, cut.calls_done) == (CUT, INTERRUPTED, None, 2)
     engine.stop()
+    gate.release(10)
+    alone = pipe(dataclasses.replace(REQUESTS[2], batch_size=2))
+    np.testing.assert_array_equal(kept.images, alone[:1])
 
 
-def test_a_full_queue_refuses_and_a_stop_answers_the_queued_and_cuts_the_running():
+def test_previews_are_made_while_asked_for(pipe):
+    engine = Batcher(queue_size=2, max_batch=2, wait_s=0.0)
+    asked, not_asked = _job(pipe, REQUESTS[0], "asked"), _job(pipe, REQUESTS[2], "not")
+    asked.wants_preview = True
+    _all(engine, [asked, not_asked])
+    engine.stop()
+    assert asked.preview.shape == (1, 16, 16, 3) and asked.preview.dtype == np.uint8 and not_asked.preview is None
+
+
+def test_a_full_queue_refuses_a_stop_answers_the_queued_and_a_failure_stays_its_own(pipe, monkeypatch):
     gate = threading.Semaphore(0)
-    engine = Engine(queue_size=1)
-    running, queued = _job(Stepper(10, gate), "running"), _job(Stepper(1), "queued")
+    Calls(pipe, monkeypatch, gate)
+    engine = Batcher(queue_size=1, max_batch=1, wait_s=0.0)
+    running, queued = _job(pipe, REQUESTS[0], "running"), _job(pipe, REQUESTS[2], "queued")
     engine.submit(running)
-    assert not running.done.wait(0.3) and running.state == "running"
+    threading.Event().wait(2.0)
     engine.submit(queued)
     with pytest.raises(QueueFull):
-        engine.submit(_job(Stepper(1), "one too many"))
+        engine.submit(_job(pipe, REQUESTS[1], "one too many"))
     engine.stop()
-    gate.release(10)
-    assert queued.done.wait(30) and running.done.wait(30)
+    gate.release(20)
+    assert queued.done.wait(60) and running.done.wait(300)
     assert queued.state == CUT and isinstance(queued.error, Stopping) and queued.calls_done == 0
     assert running.state == CUT and running.cut_reason == STOPPING and isinstance(running.error, Stopping)
     with pytest.raises(Stopping):
-        engine.submit(_job(Stepper(1), "late"))
-    engine.join(30)
-
-
-def test_a_failing_job_keeps_its_error_and_the_engine_goes_on():
-    engine = Engine(queue_size=2)
-    bad, good = _job(Stepper(3, fail=SdxError("--steps 0 must be a positive integer")), "bad"), _job(Stepper(1))
-    engine.submit(bad)
-    engine.submit(good)
-    assert bad.done.wait(30) and good.done.wait(30)
-    assert bad.state == FAILED and str(bad.error) == "--steps 0 must be a positive integer"
-    assert good.state == DONE
+        engine.submit(_job(pipe, REQUESTS[0], "late"))
+    engine.join(60)
+    engine = Batcher(queue_size=4, max_batch=8, wait_s=1.0)
+    bad, good = _job(pipe, dataclasses.replace(REQUESTS[0], steps=0), "bad"), _job(pipe, REQUESTS[2], "good")
+    gate.release(100)
+    _all(engine, [bad, good])
     engine.stop()
-
-
-def test_a_job_cut_while_queued_ends_at_once_frees_its_place_and_never_runs():
-    gate = threading.Semaphore(0)
-    engine, first = Engine(queue_size=1), _job(Stepper(1, gate), "first")
-    ended = []
-    waiting = Job(request="waiting", pipeline=Stepper(1), task_id="task(w)", caller="c", on_done=lambda: ended.append(1))
-    engine.submit(first)
-    assert not first.done.wait(0.3) and first.state == "running"
-    engine.submit(waiting)
-    waiting.cut(INTERRUPTED)
-    assert waiting.done.is_set() and waiting.state == CUT and not first.done.is_set()  # not after the running job
-    waiting.cut(INTERRUPTED)
-    after = _job(Stepper(1), "after")
-    engine.submit(after)  # the cut job's place is free
-    gate.release()
-    assert after.done.wait(30) and after.state == DONE
-    assert first.done.wait(30)
-    engine.stop()
-    engine.join(30)
-    assert waiting.pipeline.ran == [] and ended == [1]
+    assert bad.state == FAILED and "--steps 0" in str(bad.error) and good.state == DONE
