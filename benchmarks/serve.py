@@ -7,7 +7,8 @@ Two servers run one after the other in this run, on the same model and cache: `-
 `--requests` txt2img calls one after the other (prompts and seeds of its own, one image each, the same size and
 steps for all, so they can share a compiled program); printed per server: images/s over the whole load, and the
 p50 and p95 of a request's latency; then the batching server's time over the one-at-a-time one's (below 1: batching is
-faster). Each server first answers one request untimed (its compile).
+faster). Each server first answers one untimed round per number of clients (the compiles of the batch sizes
+that load meets).
 
 Also printed: a lone request through the server (its p50 at one client) against `python -m sdx.sample`'s own
 sampling time for the same job (the "N image(s) in S s sampling" it prints, its second run in the same cache).
@@ -134,7 +135,8 @@ def main() -> None:
     for name, command in servers:
         server = Served(command, name)
         try:
-            server.txt2img({**body, "prompt": PROMPTS[0], "seed": 0})  # its compile, untimed
+            for c in sorted(set(args.clients)):  # untimed: the compiles of the batch sizes the load meets
+                load(server, c, 1, body)
             results[name] = {c: load(server, c, args.requests, body) for c in args.clients}
         finally:
             server.stop()

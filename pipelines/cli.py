@@ -115,7 +115,7 @@ def _sampling_flags(g) -> None:
     g.add_argument("--width", type=int, help="pixels (default: the model's training size, or the image's)")
     g.add_argument("--num-images", type=int, default=1, help="images per prompt")
     g.add_argument("--seed", type=int, default=0,
-                   help="image j of a run is the image seed + j gives alone (A1111's seeds), the same at any batch size")
+                   help="image j of a run is the image seed + j gives alone (A1111's seeds), at any batch size")
     sampling_cli.add_flags(g)  # --scheduler, --timestep-spacing, --eta
     g.add_argument("--latents", help="initial noise, .npy (images, channels, height/f, width/f) float32 as diffusers' latents=")
 
