@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelines.method import Method, per_model, pictures_per_model
-from pipelines.plugin import Batch, Input, ModelCall, Plugin, Ready
+from pipelines.plugin import DENOISE, PREPARE, Batch, Input, ModelCall, Plugin, Ready
 from sdx import residuals
 from sdx.controlnet import ControlNetModel
 from sdx.errors import SdxError
@@ -89,6 +89,7 @@ class ControlNetPlugin(Plugin):
     image: jax.Array
     scales: jax.Array
     traced: ClassVar[tuple[str, ...]] = ("image", "scales")
+    reads: ClassVar[tuple[str, ...]] = (PREPARE, DENOISE)
 
     def prepare(self, models, ready: Ready) -> TextContext:
         # guess mode runs the ControlNet on the text rows alone, which are never blank

@@ -298,10 +298,11 @@ class Pipeline:
         guider = guidance.of_request(self.family, request.guidance_scale, request.image_guidance_scale, request.guidance)
         guidance.check_request(guider, request, self)
 
-    def matched(self, request: Request) -> list[tuple[Input, str]]:
+    def matched(self, request: Request) -> list[tuple[Input, str | None]]:
         """(input, the name of the model it goes to) for each of the request's conditioning inputs, ControlNets
-        first, then T2I-Adapters, then IP-Adapters (`INPUTS`), each kind in order; an SdxError unless the request
-        gives one input per model of every kind."""
+        first, then T2I-Adapters, then IP-Adapters (`INPUTS`), each kind in order, then the inputs of methods with
+        no model of the pipeline's (`Input.kind` None; model None); an SdxError unless the request gives one input
+        per model of every kind."""
         found = []
         for kind, cls in INPUTS.items():
             given = [one for one in request.conditioning if one.kind == kind]
@@ -309,10 +310,11 @@ class Pipeline:
             if len(given) != len(models):
                 raise SdxError(f"give one {cls.image_flag} per {cls.flag} ({len(models)}), not {len(given)}")
             found += zip(given, models)
-        unknown = [type(one).__name__ for one in request.conditioning if one.kind not in INPUTS]
+        unknown = [type(one).__name__ for one in request.conditioning if one.kind not in (*INPUTS, None)]
         if unknown:
-            raise SdxError(f"Request.conditioning: {unknown[0]} is not a conditioning input ({', '.join(INPUTS)})")
-        return found
+            raise SdxError(f"Request.conditioning: {unknown[0]} goes to a model this pipeline cannot have (its kinds: "
+                           f"{', '.join(INPUTS)})")
+        return found + [(one, None) for one in request.conditioning if one.kind is None]
 
     def _work(self, request: Request) -> list:
         request = self.complete(request)

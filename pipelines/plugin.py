@@ -103,9 +103,9 @@ class ModelCall:
 
 class Plugin(Traced):
     """A conditioning method's program part (see the module docstring). `model` names its model in the sampler
-    (`model_name`)."""
+    (`model_name`); a method without one reads no model (`reads` empty)."""
 
-    reads: ClassVar[tuple[str, ...]] = (PREPARE, DENOISE)  # the programs that read `model`
+    reads: ClassVar[tuple[str, ...]] = ()  # the programs that read `model`
 
     def models(self, program: str) -> tuple[str, ...]:
         """The `Sampler.models` names `program` (PREPARE or DENOISE) reads for this plug-in."""
@@ -122,11 +122,11 @@ class Plugin(Traced):
 
 class Input:
     """A conditioning method's request part (see the module docstring): a frozen dataclass in
-    `Request.conditioning`. kind: the pipeline's models it is matched to; flag: the command-line flag that loads
-    them, for messages."""
+    `Request.conditioning`. kind: the pipeline's models it is matched to (None: a method with no model of its own,
+    whose `plugin` gets model None); flag: the command-line flag that loads them, for messages."""
 
-    kind: ClassVar[str]
-    flag: ClassVar[str]
+    kind: ClassVar[str | None] = None
+    flag: ClassVar[str] = ""
 
     def size(self) -> tuple[int, int] | None:
         """The generation size its image implies (text-to-image takes the first such size), or None."""
