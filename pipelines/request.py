@@ -172,20 +172,8 @@ def batches(
     batch's images are wanted (the last batch is padded to the batch size). plugins: the conditioning plug-ins of
     one batch (`Pipeline`'s, from the request's `conditioning`)."""
     n, h, w = r.num_images, r.height // factor, r.width // factor
-    batch = r.batch_size or n
-    batch = -(-batch // devices) * devices  # every device gets the same share
-    per_image = lambda values: [v for v in values for _ in range(r.num_images_per_prompt)]
-
-    prompts = [per_image(list(r.prompts))]
-    negatives = [per_image(per_prompt(r.negative_prompts, len(r.prompts), "--negative-prompt") or [""] * len(r.prompts))]
-    if family.xl and family.encoders == ("text_encoder", "text_encoder_2"):
-        prompts.append(per_image(per_prompt(r.prompts_2, len(r.prompts), "--prompt-2") or list(r.prompts)))
-        neg2 = per_prompt(r.negative_prompts_2, len(r.prompts), "--negative-prompt-2")
-        negatives.append(per_image(neg2) if neg2 else negatives[0])
-    zero_negative = family.force_zeros and r.negative_prompts is None and r.negative_prompts_2 is None
-    ((ids, weights), (neg_ids, neg_weights)), weighting = text.tokenize_weighted(
-        family, tokenizers, [prompts, negatives], syntax=r.prompt_syntax, chunk=r.long_prompt == "chunk")
-
+    batch = -(-(r.batch_size or n) // devices) * devices  # every device gets the same share
+    (ids, weights), (neg_ids, neg_weights), weighting = _texts(r, family, tokenizers)
     start = _start(r, family)
     strength = r.strength if start == START_IMAGE and r.denoising_start is None else 1.0
     begin, end = denoising_range(
@@ -194,10 +182,8 @@ def batches(
     guider, guider_values = interventions_lib.split(
         guidance.of_request(family, r.guidance_scale, r.image_guidance_scale, r.guidance))
     asked = [interventions_lib.split(one) for one in r.interventions]
-    rows = lambda idx: Batch(lambda a: np.ascontiguousarray(np.asarray(per_image_array(a))[idx]), batch, r.steps,
+    rows = lambda idx: Batch(lambda a: np.ascontiguousarray(_per_image(r, a)[idx]), batch, r.steps,  # noqa: E731
                              len(scheduler.timesteps(r.steps)), begin, end, r.denoising_end is not None, family)
-    per_image_array = lambda a: np.repeat(a if a.shape[0] == len(r.prompts) else np.repeat(a, len(r.prompts), 0),
-                                          r.num_images_per_prompt, axis=0)  # (1 or prompts, ...) -> (n, ...)
     plan = Plan(
         family=family, scheduler=scheduler, guidance=guider,
         batch=batch, height=r.height, width=r.width, steps=r.steps, begin=begin, end=end, start=start,
@@ -207,49 +193,66 @@ def batches(
         plugins=tuple(interventions_lib.split(p)[0] for p in plugins(rows(np.arange(batch) % n))),
     )
     state = scheduler.set_timesteps(r.steps, (batch, h, w, channels), begin=begin, end=end)
-
-    keys = image_keys(r.seed, n)
-    if r.latents is not None:
-        noise_all = np.broadcast_to(r.latents.transpose(0, 2, 3, 1), (n, h, w, r.latents.shape[1]))  # NCHW -> NHWC
-    else:
-        noise_all = np.asarray(jax.vmap(lambda k: jax.random.normal(k, (h, w, channels)))(keys))
-    image_all = mask_all = None
-    if start == START_LATENTS:
-        image_all = np.broadcast_to(r.init_latents.transpose(0, 2, 3, 1), (n, h, w, r.init_latents.shape[1]))
-    elif r.image is not None:
-        image_all = per_image_array(r.image)
-    if r.mask is not None:
-        mask_all = per_image_array(r.mask)
-    time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
-    neg_time_ids = np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids
-    scales = guidance.Scales(*(np.full((n,), v, np.float32)
-                               for v in (r.guidance_scale, r.image_guidance_scale, r.guidance_rescale)))
-
+    arrays = _arrays(r, family, start, (h, w, channels))
+    zero_negative = family.force_zeros and r.negative_prompts is None and r.negative_prompts_2 is None
     out = []
     for b0 in range(0, n, batch):
         idx = np.arange(b0, b0 + batch) % n  # the last batch repeats images to fill its slots
-        take = lambda a: np.ascontiguousarray(np.asarray(a)[idx])
-        none = np.zeros((0, 0, 0, 0), np.float32)
+        take = lambda a: a if np.shape(a)[0] == 0 else np.ascontiguousarray(np.asarray(a)[idx])  # noqa: E731
         inputs = Inputs(
-            ids={k: take(v) for k, v in ids.items()},
-            negative_ids={k: take(v) for k, v in neg_ids.items()},
-            zero_negative=np.full((batch,), zero_negative),
-            noise=take(noise_all).astype(np.float32),
-            keys=take(keys),
-            scales=jax.tree.map(take, scales),
-            time_ids=take(time_ids),
-            negative_time_ids=take(neg_time_ids),
-            image=take(image_all).astype(np.float32) if image_all is not None else none,
-            mask=take(mask_all).astype(np.float32) if mask_all is not None else none,
-            state=state,
-            guider=guider_values,
+            ids={k: take(v) for k, v in ids.items()}, negative_ids={k: take(v) for k, v in neg_ids.items()},
+            zero_negative=np.full((batch,), zero_negative), state=state, guider=guider_values,
             interventions=tuple(values for _, values in asked),
             prompt_weights=None if weighting.syntax == "none" else jax.tree.map(
                 take, {"positive": weights, "negative": neg_weights}),
             plugins=tuple(interventions_lib.split(p)[1] for p in plugins(rows(idx))),
+            **{k: jax.tree.map(take, v) for k, v in arrays.items()},
         )
         out.append((plan, inputs, min(batch, n - b0)))
     return out
+
+
+def _per_image(r: Request, a: np.ndarray) -> np.ndarray:
+    """(1 or one per prompt, ...) -> (images, ...): a prompt's value for each of its images."""
+    a = np.asarray(a)
+    return np.repeat(a if a.shape[0] == len(r.prompts) else np.repeat(a, len(r.prompts), 0), r.num_images_per_prompt,
+                     axis=0)
+
+
+def _texts(r: Request, family: Family, tokenizers) -> tuple:
+    """((ids, token weights) of the prompts, of the negative prompts, the weighting), one row per image."""
+    per_image = lambda values: [v for v in values for _ in range(r.num_images_per_prompt)]  # noqa: E731
+    prompts = [per_image(list(r.prompts))]
+    negatives = [per_image(per_prompt(r.negative_prompts, len(r.prompts), "--negative-prompt") or [""] * len(r.prompts))]
+    if family.xl and family.encoders == ("text_encoder", "text_encoder_2"):
+        prompts.append(per_image(per_prompt(r.prompts_2, len(r.prompts), "--prompt-2") or list(r.prompts)))
+        neg2 = per_prompt(r.negative_prompts_2, len(r.prompts), "--negative-prompt-2")
+        negatives.append(per_image(neg2) if neg2 else negatives[0])
+    (positive, negative), weighting = text.tokenize_weighted(
+        family, tokenizers, [prompts, negatives], syntax=r.prompt_syntax, chunk=r.long_prompt == "chunk")
+    return positive, negative, weighting
+
+
+def _arrays(r: Request, family: Family, start: str, latent: tuple[int, int, int]) -> dict:
+    """`Inputs`' per-image arrays but the texts, for every image: keys, noise, the input image (or the latents to
+    continue), the mask, SDXL's time ids, the guidance scales ((0, 0, 0, 0) for an image or a mask not given)."""
+    n, (h, w, channels) = r.num_images, latent
+    keys = image_keys(r.seed, n)
+    if r.latents is not None:
+        noise = np.broadcast_to(r.latents.transpose(0, 2, 3, 1), (n, h, w, r.latents.shape[1]))  # NCHW -> NHWC
+    else:
+        noise = np.asarray(jax.vmap(lambda k: jax.random.normal(k, (h, w, channels)))(keys))
+    none = np.zeros((0, 0, 0, 0), np.float32)
+    image = none if r.image is None else _per_image(r, r.image)
+    if start == START_LATENTS:
+        image = np.broadcast_to(r.init_latents.transpose(0, 2, 3, 1), (n, h, w, r.init_latents.shape[1]))
+    time_ids = np.asarray([_time_ids(family, r, False)] * n, np.float32) if family.xl else np.zeros((n, 0), np.float32)
+    scales = guidance.Scales(*(np.full((n,), v, np.float32)
+                               for v in (r.guidance_scale, r.image_guidance_scale, r.guidance_rescale)))
+    return {"keys": keys, "noise": noise.astype(np.float32), "image": image.astype(np.float32),
+            "mask": none if r.mask is None else _per_image(r, r.mask).astype(np.float32), "time_ids": time_ids,
+            "negative_time_ids": np.asarray([_time_ids(family, r, True)] * n, np.float32) if family.xl else time_ids,
+            "scales": scales}
 
 
 def _start(r: Request, family: Family) -> str:
