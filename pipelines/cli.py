@@ -345,13 +345,27 @@ def save_png(path: Path, pixels: np.ndarray, params: dict) -> None:
     io.atomic_write(path, lambda f: Image.fromarray(pixels).save(f, format="PNG", pnginfo=info))
 
 
-def run(args: argparse.Namespace) -> list[Path]:
-    from convert import default_models
+def environment(args: argparse.Namespace):
+    """(the cache folder, the mesh, the `convert.sources.ModelOptions`) of the model and device flags, with JAX's
+    compilation cache on in the cache unless --no-compilation-cache: what the command (and the server) set up
+    before loading."""
     from convert.library import default_cache_dir
     from convert.sources import ModelOptions
-    from pipelines.pipeline import NonFiniteImages
     from pipelines.sampler import enable_compilation_cache
     from sdx import mesh as meshlib
+
+    cache = Path(args.cache) if args.cache else default_cache_dir()
+    if not args.no_compilation_cache:
+        enable_compilation_cache(cache / "jax")
+    meshlib.initialize()
+    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
+                                     embedding=args.embedding, unet=args.unet)
+    return cache, meshlib.make_mesh(args.fsdp), options
+
+
+def run(args: argparse.Namespace) -> list[Path]:
+    from convert import default_models
+    from pipelines.pipeline import NonFiniteImages
 
     jobs = check_args(args)
     log = (lambda msg: None) if args.quiet else _log
@@ -360,13 +374,7 @@ def run(args: argparse.Namespace) -> list[Path]:
         log(f"{len(jobs) - len(todo)} of {len(jobs)} prompts are already written; generating the other {len(todo)}")
     if not todo:
         return []
-    cache = Path(args.cache) if args.cache else default_cache_dir()
-    if not args.no_compilation_cache:
-        enable_compilation_cache(cache / "jax")
-    meshlib.initialize()
-    mesh = meshlib.make_mesh(args.fsdp)
-    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
-                                     embedding=args.embedding, unet=args.unet)
+    cache, mesh, options = environment(args)
     # inpainting and ControlNet or T2I-Adapter img2img take the text-to-image model
     edits = any(job.args.image and not job.args.mask and not job.args.controlnet and not job.args.t2i_adapter
                 for job in jobs)

@@ -242,7 +242,7 @@ def _answer(job: engines.Job, planned: translate.Planned, body: bodies.Generatio
         echoed.update(init_images=None, mask=None)
     info = infotext.info(planned.shown, planned.seeds[: len(encoded)] if job.state != engines.DONE else planned.seeds,
                          batch_size=body.batch_size, sampler_name=planned.sampler_name,
-                         job_timestamp=time.strftime("%Y%m%d%H%M%S"))
+                         job_timestamp=time.strftime("%Y%m%d%H%M%S"), call_batch=job.call_batch)
     return {"images": encoded if body.send_images else [], "parameters": echoed, "info": info}
 
 

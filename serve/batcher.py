@@ -223,6 +223,7 @@ class Batcher:
         for piece in call:
             if not piece.job.done.is_set():
                 self._made[piece.job][piece.first] = Part.of(sampled, plan, range(offset, offset + piece.rows))
+                piece.job.call_batch = plan.batch
             offset += piece.rows
         for job in jobs:
             made = self._made.get(job)

@@ -53,6 +53,7 @@ class Job:
     calls_total: int = 0
     preview: np.ndarray | None = None
     wants_preview: bool = False  # a client asked for the preview: the engine makes one after each model call
+    call_batch: int | None = None  # DONE: the batch size of the compiled call(s) its images came from
     images: np.ndarray | None = None  # DONE: (N, H, W, 3) floats in [0, 1]
     error: BaseException | None = None  # FAILED: what went wrong; CUT by the server stopping: Stopping
     cut_reason: str | None = None  # INTERRUPTED, SKIPPED, DISCONNECTED or STOPPING

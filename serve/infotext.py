@@ -89,8 +89,11 @@ def parse(text: str) -> dict[str, str]:
     return out
 
 
-def info(shown: Shown, seeds: list[int], *, batch_size: int, sampler_name: str, job_timestamp: str) -> str:
-    """The `info` JSON string A1111's txt2img and img2img answer with (Processed.js()'s fields)."""
+def info(shown: Shown, seeds: list[int], *, batch_size: int, sampler_name: str, job_timestamp: str,
+         call_batch: int | None = None) -> str:
+    """The `info` JSON string A1111's txt2img and img2img answer with (Processed.js()'s fields), and sdx's
+    `sdx_call_batch`: the batch size of the compiled call the images were made in (other users' requests among them),
+    with which `python -m sdx.sample --batch-size` makes them bit for bit."""
     texts = [shown.text(s) for s in seeds]
     return json.dumps({
         "prompt": shown.prompt, "all_prompts": [shown.prompt] * len(seeds),
@@ -103,4 +106,5 @@ def info(shown: Shown, seeds: list[int], *, batch_size: int, sampler_name: str, 
         "denoising_strength": shown.denoising_strength, "extra_generation_params": dict(shown.extra),
         "index_of_first_image": 0, "infotexts": texts, "styles": [], "job_timestamp": job_timestamp,
         "clip_skip": shown.clip_skip or 1, "is_using_inpainting_conditioning": False, "version": version(),
+        "sdx_call_batch": call_batch,
     })

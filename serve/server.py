@@ -20,24 +20,15 @@ def _log(msg: str) -> None:
 
 def load(args: argparse.Namespace) -> Served:
     """The model the flags name, loaded as `python -m sdx.sample` loads it, and what the API lists of it."""
-    from convert.library import default_cache_dir
-    from convert.sources import ModelOptions
     from convert.textual_inversion import SDXL_L, read_embedding
+    from pipelines.cli import environment
     from pipelines.model_names import resolve_model
     from pipelines.pipeline import Pipeline
-    from pipelines.sampler import enable_compilation_cache
-    from sdx import mesh as meshlib
     from sdx import model_folder
     from sdx.attention import default_backend
     from sdx.errors import SdxError
 
-    cache = Path(args.cache) if args.cache else default_cache_dir()
-    if not args.no_compilation_cache:
-        enable_compilation_cache(cache / "jax")
-    meshlib.initialize()
-    mesh = meshlib.make_mesh(args.fsdp)
-    options = ModelOptions.from_args(config=args.config, preset=args.preset, lora=args.lora, vae=args.vae,
-                                     embedding=args.embedding, unet=args.unet)
+    cache, mesh, options = environment(args)
     model = args.model or "default"
     folder = resolve_model(model, dtype=args.dtype, cache=cache, log=_log, options=options)
     pipe = Pipeline.load(folder, dtype=args.dtype, vae_dtype=args.vae_dtype, mesh=mesh, name=model,
