@@ -81,7 +81,8 @@ def read_sdx(folder: str | Path) -> model_folder.ModelPart:
     spec = model_folder.read_spec_file(folder)
     cls = spec.get(model_folder.MODEL_CLASS)
     if cls not in KINDS:
-        raise SdxError(f"{path}: not an sdx ControlNet folder ({model_folder.MODEL_CLASS} is not {' or '.join(map(repr, KINDS))})")
+        raise SdxError(f"{path}: not an sdx ControlNet folder ({model_folder.MODEL_CLASS} is not "
+                       f"{' or '.join(map(repr, KINDS))})")
     components = spec.get("components")
     if not isinstance(components, dict) or set(components) != {COMPONENT}:
         raise SdxError(f"{path}: a ControlNet folder's components are exactly {{{COMPONENT!r}: ...}}")

@@ -58,7 +58,8 @@ def mode_index(mode: int | str, types: int | None = None) -> int:
         raise SdxError(f"--control-mode {mode!r} is not a control type: give diffusers' index or one of "
                        f"{', '.join(MODES)}")
     if types is not None and index >= types:
-        raise SdxError(f"--control-mode {mode} (type {index}): this ControlNet-Union knows {types} types, 0 to {types - 1}")
+        raise SdxError(f"--control-mode {mode} (type {index}): this ControlNet-Union knows {types} types, "
+                       f"0 to {types - 1}")
     return index
 
 
@@ -92,8 +93,8 @@ class UnionControl(Input):
     def parts(self) -> list[Control]:
         """Each image as the `Control` it would be for a plain ControlNet: its image, scale and window."""
         k = len(self.images)
-        values = (_each(self.scale, k, "--controlnet-conditioning-scale"), _each(self.start, k, "--control-guidance-start"),
-                  _each(self.end, k, "--control-guidance-end"))
+        values = (_each(self.scale, k, "--controlnet-conditioning-scale"),
+                  _each(self.start, k, "--control-guidance-start"), _each(self.end, k, "--control-guidance-end"))
         return [Control(image, *each, self.guess_mode) for image, *each in zip(self.images, *values)]
 
     def size(self) -> tuple[int, int]:
@@ -104,7 +105,9 @@ class UnionControl(Input):
         if not all(isinstance(net, ControlNetUnionModel) for net in nets):
             raise SdxError("a UnionControl (--control-mode) goes to ControlNet-Unions, and they go with no plain "
                            "ControlNet (diffusers has no such pipeline)")
-        if not self.images or len(self.modes) != len(self.images):
+        if not self.images:
+            raise SdxError("a UnionControl takes at least one image")
+        if len(self.modes) != len(self.images):
             raise SdxError(f"give one --control-mode per --control-image ({len(self.images)}), not {len(self.modes)}")
         if len(nets) > 1 and len(self.images) > 1:
             raise SdxError(f"several ControlNet-Unions take one image each (diffusers' MultiControlNetUnionModel), "

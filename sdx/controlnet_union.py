@@ -39,7 +39,6 @@ from flax import nnx
 
 from sdx import diffusers_config, products
 from sdx.attention import dot_product_attention
-from sdx.config import COUNT, DEPTH
 from sdx.controlnet import ControlNetConfig, ControlNetModel
 from sdx.errors import SdxError
 from sdx.layers import F32, Compute, LayerNorm, TimestepEmbedding, linear, timestep_embedding
@@ -57,8 +56,7 @@ class ControlNetUnionConfig(ControlNetConfig):
 
     label: ClassVar[str] = "controlnet-union config"
     diffusers_fields: ClassVar = staticmethod(diffusers_config.controlnet_union_fields)
-    kinds: ClassVar[Mapping] = {**ControlNetConfig.kinds, **{k: COUNT for k in diffusers_config.CONTROLNET_UNION_OWN},
-                                "num_trans_layer": DEPTH}
+    kinds: ClassVar[Mapping] = {**ControlNetConfig.kinds, **diffusers_config.CONTROLNET_UNION_KINDS}
 
     conditioning_embedding_out_channels: tuple[int, ...] = (48, 96, 192, 384)  # diffusers' union default
     num_control_type: int = 6
@@ -91,7 +89,8 @@ class MultiheadAttention(nnx.Module):
 
     def __init__(self, cp: Compute, dim: int, heads: int, *, rngs: nnx.Rngs):
         self.heads, self.dtype = heads, cp.dtype
-        self.in_proj_weight = nnx.Param(nnx.initializers.xavier_uniform()(rngs.params(), (3 * dim, dim), cp.param_dtype))
+        init = nnx.initializers.xavier_uniform()
+        self.in_proj_weight = nnx.Param(init(rngs.params(), (3 * dim, dim), cp.param_dtype))
         self.in_proj_bias = nnx.Param(jnp.zeros((3 * dim,), cp.param_dtype))
         self.out_proj = linear(cp, dim, dim, rngs=rngs)
 

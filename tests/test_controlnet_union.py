@@ -125,7 +125,8 @@ def _images(rows: int, k: int, seed: int = 1) -> np.ndarray:
     """(B, K, C, 8h, 8w) in [0, 1]: noise, each image dimmed by its own factor (so that their spatial means, the
     condition transformer's tokens, differ)."""
     rng = np.random.default_rng(seed)
-    return rng.random((rows, k, 3, 64, 64), dtype=np.float32) * rng.uniform(0.1, 1.0, (rows, k, 1, 1, 1)).astype(np.float32)
+    dim = rng.uniform(0.1, 1.0, (rows, k, 1, 1, 1)).astype(np.float32)
+    return rng.random((rows, k, 3, 64, 64), dtype=np.float32) * dim
 
 
 def _nhwc5(a: np.ndarray) -> jnp.ndarray:
@@ -293,7 +294,8 @@ def test_folders_round_trip(saved, tmp_path):
 # xinsir/controlnet-union-sdxl-1.0's ProMax config.json (diffusers' defaults for the fields it leaves out)
 XINSIR_PROMAX = dict(
     _class_name="ControlNetModel", addition_embed_type="text_time", addition_time_embed_dim=256,
-    attention_head_dim=[5, 10, 20], block_out_channels=[320, 640, 1280], conditioning_embedding_out_channels=[16, 32, 96, 256],
+    attention_head_dim=[5, 10, 20], block_out_channels=[320, 640, 1280],
+    conditioning_embedding_out_channels=[16, 32, 96, 256],
     cross_attention_dim=2048, down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
     projection_class_embeddings_input_dim=2816, transformer_layers_per_block=[1, 2, 10], use_linear_projection=True,
     num_control_type=8,
@@ -309,7 +311,7 @@ def test_full_size_parameters_match_diffusers_state_dict():
     """xinsir's ProMax: diffusers on the meta device, sdx abstract; every key maps with its shape."""
     cfg = ControlNetUnionConfig.from_diffusers_config(XINSIR_PROMAX)
     with torch.device("meta"):
-        torch_model = diffusers.ControlNetUnionModel(**{k: v for k, v in XINSIR_PROMAX.items() if not k.startswith("_")})
+        torch_model = diffusers.ControlNetUnionModel(**{k: v for k, v in XINSIR_PROMAX.items() if k[0] != "_"})
     source = {k: np.broadcast_to(np.float32(0), tuple(v.shape)) for k, v in torch_model.state_dict().items()}
     model = W.abstract(lambda r: ControlNetUnionModel(cfg, rngs=r))
     assert len(W.from_torch_keys(W.param_shapes(model), source, where="meta")) == len(source)
