@@ -1,4 +1,5 @@
-"""Reading a ControlNet from any source into a live `sdx.controlnet.ControlNetModel`.
+"""Reading a ControlNet from any source into a live `sdx.controlnet.ControlNetModel` (or its subclass
+`sdx.controlnet_union.ControlNetUnionModel`, a ControlNet-Union: see the end).
 
 A ControlNet source (`read_controlnet_part`) is one of:
 
@@ -22,6 +23,11 @@ format (`convert.controlnet_folder.WRITERS`), after `read_if_controlnet` has tol
 pipeline: a single file with a ControlNet's keys (`input_hint_block`, or `controlnet_cond_embedding` in
 diffusers' keys), an sdx folder whose sdx.json says ControlNetModel, a folder whose config.json does, or a
 hub repo with such a config.json and no model_index.json.
+
+A ControlNet-Union comes from the same folders and hub repos (its class "ControlNetUnionModel" in place of
+"ControlNetModel"): it is told by its config.json, diffusers' class or the union's fields (xinsir's
+config.json names ControlNetModel and carries num_control_type), or by its weights' `task_embedding`. It has
+no original single-file layout; a single file in diffusers' keys reads (`convert.controlnet_single_file`).
 """
 
 from __future__ import annotations
@@ -36,10 +42,10 @@ from flax import nnx
 
 from convert import controlnet_folder, diffusers_folder, hub
 from convert import controlnet_single_file as single
-from convert.controlnet_folder import CLASS, KIND
+from convert.controlnet_folder import KIND, KINDS, UNION_KIND
 from convert.single_file import load_tensors
 from convert.sources import Log, default_variant, looks_local
-from sdx import io, weights
+from sdx import diffusers_config, io, weights
 from sdx.controlnet import ControlNetConfig, ControlNetModel
 from sdx.errors import SdxError
 from sdx.layers import Compute
@@ -79,9 +85,16 @@ def resolve_controlnet(
     return _model_folder(hub.fetch_files(spec, choose, revision=revision, cache_dir=cache_dir, log=log))
 
 
-def _parsed(config: dict[str, Any], where: str | Path) -> ControlNetConfig:
+def _kind(config: dict[str, Any], tensors=()) -> ModelKind:
+    """A ControlNet-Union's kind when its config.json says so (its class or the union's fields,
+    `sdx.diffusers_config.is_controlnet_union`) or its weights hold the union's `task_embedding` (xinsir's
+    config.json names ControlNetModel), else a ControlNet's."""
+    return UNION_KIND if diffusers_config.is_controlnet_union(config) or single.UNION_KEY in tensors else KIND
+
+
+def _parsed(config: dict[str, Any], where: str | Path, tensors=()) -> ControlNetConfig:
     try:
-        return ControlNetConfig.from_diffusers_config(config)
+        return _kind(config, tensors).config_from_diffusers(config)
     except SdxError as e:
         raise SdxError(f"{where}: {e}") from None
 
@@ -89,9 +102,10 @@ def _parsed(config: dict[str, Any], where: str | Path) -> ControlNetConfig:
 def _part(config: dict[str, Any], tensors, *, where: str, config_where: str | Path) -> ModelPart:
     """A ControlNet's diffusers config.json dict and diffusers-keyed tensors as a `ModelPart`, strictly;
     `where`, `config_where`: what errors name for the tensors and the config."""
-    parsed = _parsed(config, config_where)
-    arrays = weights.from_torch_keys(KIND.param_shapes(parsed), tensors, where=where)
-    return ModelPart(cls=CLASS, config=parsed, arrays=arrays, source_config=dict(config))
+    kind = _kind(config, tensors)
+    parsed = _parsed(config, config_where, tensors)
+    arrays = weights.from_torch_keys(kind.param_shapes(parsed), tensors, where=where)
+    return ModelPart(cls=kind.classes[0], config=parsed, arrays=arrays, source_config=dict(config))
 
 
 def _diffusers_part(folder: Path, variant: str | None, log: Log) -> ModelPart:
@@ -178,10 +192,10 @@ def read_if_controlnet(src: str | Path, **options: Any) -> ModelPart | None:
             return None
         return _file_part(path, tensors, options.get("config"), options.get("preset"), log)
     if path.is_dir():
-        found = controlnet_folder.is_controlnet_folder(path) or _config_class(path) == CLASS
+        found = controlnet_folder.is_controlnet_folder(path) or _config_class(path) in KINDS
     else:
         found = _hub_config_class(str(src), revision=options.get("revision"), cache_dir=options.get("cache_dir"),
-                                  log=log) == CLASS
+                                  log=log) in KINDS
     return read_controlnet_part(src, **options) if found else None
 
 
@@ -215,5 +229,5 @@ def load_controlnet(
         compute = Compute(dtype=param_dtype, param_dtype=param_dtype)
     else:
         compute = dataclasses.replace(compute, param_dtype=param_dtype)
-    model = (abstract or ModelKind.abstract)(KIND, part.config, compute)
+    model = (abstract or ModelKind.abstract)(KINDS[part.cls], part.config, compute)
     return weights.materialize(model, part.arrays, dtype=param_dtype, sharding=sharding)

@@ -8,7 +8,8 @@ The sdx ControlNet folder is a standalone model folder in `sdx.model_folder`'s f
                                 Flax layout, all in the spec's dtype
 
     {"format": "sdx", "format_version": 1,
-     "model_class": "ControlNetModel",                  # in place of a pipeline's "pipeline_class"
+     "model_class": "ControlNetModel",                  # in place of a pipeline's "pipeline_class";
+                                                        # "ControlNetUnionModel" for a ControlNet-Union
      "dtype": "bfloat16",
      "components": {"controlnet": {"class": "ControlNetModel", "file": "controlnet.safetensors",
                                    "config": {...ControlNetConfig.to_dict()...},
@@ -31,8 +32,10 @@ from sdx import io, model_folder, weights
 from sdx.errors import SdxError
 
 COMPONENT = "controlnet"
-CLASS = "ControlNetModel"
+CLASS, UNION_CLASS = "ControlNetModel", "ControlNetUnionModel"
 KIND = model_folder.ModelKind((CLASS,), "sdx.controlnet", "ControlNetConfig", "ControlNetModel")
+UNION_KIND = model_folder.ModelKind((UNION_CLASS,), "sdx.controlnet_union", "ControlNetUnionConfig", UNION_CLASS)
+KINDS = {CLASS: KIND, UNION_CLASS: UNION_KIND}  # a ControlNet's class (`ModelPart.cls`) -> its kind
 
 Log = Callable[[str], None]
 
@@ -41,7 +44,7 @@ def _diffusers_config(part: model_folder.ModelPart) -> dict[str, Any]:
     """The diffusers config.json the ControlNet came from (sdx keeps it: its config has no inverse)."""
     if part.source_config is None:
         raise SdxError("this ControlNet has no diffusers config.json (source_config) to export")
-    return {**part.source_config, "_class_name": CLASS}
+    return {**part.source_config, "_class_name": part.cls}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -53,7 +56,7 @@ def is_controlnet_folder(path: str | Path) -> bool:
     if not model_folder.is_model_folder(path):
         return False
     spec = io.read_json(Path(path) / model_folder.SPEC_FILE)
-    return isinstance(spec, dict) and spec.get(model_folder.MODEL_CLASS) == CLASS
+    return isinstance(spec, dict) and spec.get(model_folder.MODEL_CLASS) in KINDS
 
 
 def write_sdx(part: model_folder.ModelPart, out: str | Path, *, dtype: str = "float32", overwrite: bool = False,
@@ -61,11 +64,11 @@ def write_sdx(part: model_folder.ModelPart, out: str | Path, *, dtype: str = "fl
     """Write the ControlNet `part` as an sdx ControlNet folder at `out`."""
     log = log or (lambda _msg: None)
     out = Path(out)
-    weights.check_arrays(KIND.param_shapes(part.config), part.arrays, where=COMPONENT)
+    weights.check_arrays(KINDS[part.cls].param_shapes(part.config), part.arrays, where=COMPONENT)
     with model_folder.building_folder(out, overwrite=overwrite) as tmp:
         entry = model_folder.write_component(tmp, COMPONENT, part, dtype=dtype, out=out, log=log)
         spec = {"format": model_folder.FORMAT, "format_version": model_folder.FORMAT_VERSION,
-                model_folder.MODEL_CLASS: CLASS, "dtype": dtype, "components": {COMPONENT: entry}}
+                model_folder.MODEL_CLASS: part.cls, "dtype": dtype, "components": {COMPONENT: entry}}
         io.atomic_write_json(tmp / model_folder.SPEC_FILE, spec)
     log(f"wrote {out} (sdx ControlNet, {dtype})")
     return out
@@ -76,8 +79,10 @@ def read_sdx(folder: str | Path) -> model_folder.ModelPart:
     folder = Path(folder)
     path = folder / model_folder.SPEC_FILE
     spec = model_folder.read_spec_file(folder)
-    if spec.get(model_folder.MODEL_CLASS) != CLASS:
-        raise SdxError(f"{path}: not an sdx ControlNet folder ({model_folder.MODEL_CLASS} is not {CLASS!r})")
+    cls = spec.get(model_folder.MODEL_CLASS)
+    if cls not in KINDS:
+        raise SdxError(f"{path}: not an sdx ControlNet folder ({model_folder.MODEL_CLASS} is not "
+                       f"{' or '.join(map(repr, KINDS))})")
     components = spec.get("components")
     if not isinstance(components, dict) or set(components) != {COMPONENT}:
         raise SdxError(f"{path}: a ControlNet folder's components are exactly {{{COMPONENT!r}: ...}}")
@@ -86,12 +91,12 @@ def read_sdx(folder: str | Path) -> model_folder.ModelPart:
     if spec.get("dtype") not in weights.DTYPES:
         raise SdxError(f"{path}: dtype {spec.get('dtype')!r} is not one of {', '.join(weights.DTYPES)}")
     try:
-        config = KIND.config_from_dict(entry["config"])
+        config = KINDS[cls].config_from_dict(entry["config"])
     except SdxError as e:
         raise SdxError(f"{path}: {COMPONENT}: {e}") from None
     arrays = model_folder.component_arrays(folder, COMPONENT, entry)
-    weights.check_arrays(KIND.param_shapes(config), arrays, where=str(folder / entry["file"]))
-    return model_folder.ModelPart(cls=CLASS, config=config, arrays=arrays, source_config=entry["source_config"])
+    weights.check_arrays(KINDS[cls].param_shapes(config), arrays, where=str(folder / entry["file"]))
+    return model_folder.ModelPart(cls=cls, config=config, arrays=arrays, source_config=entry["source_config"])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -116,6 +121,8 @@ def write_single_file(part: model_folder.ModelPart, out: str | Path, *, dtype: s
     """Write the ControlNet `part` as one original-layout safetensors file at `out` (keys under control_model.)."""
     log = log or (lambda _msg: None)
     out = Path(out)
+    if part.cls != CLASS:
+        raise SdxError("a ControlNet-Union has no original single-file layout: write --format sdx or diffusers")
     export.check_single_file_output(out, overwrite=overwrite)
     cast = weights.dtype_of(dtype)
     tensors = single.to_original(_diffusers_config(part), weights.to_torch_keys(part.arrays))

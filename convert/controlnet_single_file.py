@@ -25,7 +25,9 @@ diffusers' `infer_diffusers_model_type` does for ControlNets, and for SD 2.x, wh
 SDXL when it has the added embedding (`label_emb`), else SD 2.x for a 1024-wide cross-attention context
 (OpenCLIP-H) and SD 1.x for 768 (CLIP-L). The conditioning channels and the embedding's widths are read
 off the hint block. What the keys cannot tell (the shuffle ControlNet's global pooling, a BGR channel
-order, a non-standard UNet) needs the config.
+order, a non-standard UNet) needs the config. A ControlNet-Union in diffusers' keys (xinsir's
+`diffusion_pytorch_model_promax.safetensors`) is read so, its control types counted off `task_embedding` and its
+condition transformer diffusers' (and xinsir's) default.
 
 Writing (`to_original`) inverts the same table, under `control_model.`, which is what diffusers'
 `from_single_file` (and the UIs) recognise. diffusers' own reader leaves SDXL's `label_emb` out.
@@ -63,6 +65,7 @@ _CONV_COUNT = {"original": re.compile(rf"{HINT}\.\d+\.weight"),
 # cross-attention context width -> the preset of a ControlNet without added conditioning
 _CONTEXT_PRESETS = {768: "sd15", 1024: "sd21"}
 _XL_PRESET = "sdxl_base"
+UNION_KEY = "task_embedding"  # a ControlNet-Union's control types (`sdx.controlnet_union`)
 # What a ControlNet 1.0 file bundles besides `control_model.`: the Stable Diffusion model it was trained with.
 _BUNDLED = (r"model\.diffusion_model\..*", r"first_stage_model\..*", r"cond_stage_model\..*", *K.COMMON_IGNORED)
 
@@ -139,6 +142,8 @@ def preset_config(tensors: Mapping[str, Any], layout: str, preset: str, *, where
         raise SdxError(f"{where}: its {key} is {conv_in}, the {preset} UNet's {want}: not a released architecture; "
                        "pass its diffusers config folder (--config)")
     config = {k: unet[k] for k in diffusers_config.CONTROLNET_UNET_FIELDS if k in unet}
+    if UNION_KEY in tensors:  # a ControlNet-Union in diffusers' keys: its type count, the rest diffusers' defaults
+        config["num_control_type"] = np.shape(tensors[UNION_KEY])[0]
     return {"_class_name": "ControlNetModel", **config, **_embedding(tensors, layout, where)}
 
 

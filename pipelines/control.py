@@ -32,6 +32,7 @@ from pipelines.method import Method, per_model, pictures_per_model
 from pipelines.plugin import DENOISE, PREPARE, Batch, Input, ModelCall, Plugin, Ready
 from sdx import residuals
 from sdx.controlnet import ControlNetModel
+from sdx.controlnet_union import ControlNetUnionModel
 from sdx.errors import SdxError
 from sdx.interventions import Interventions
 from sdx.layers import TextContext
@@ -61,6 +62,13 @@ class Control(Input):
         return tuple(self.image.shape[1:3])
 
     def check(self, r, pipe, model: str) -> None:
+        if any(isinstance(net, ControlNetUnionModel) for net in pipe.conditioning_models(self.kind)):
+            raise SdxError("a ControlNet-Union takes a UnionControl (on the command line, a --control-mode per "
+                           "--control-image), and goes with no plain ControlNet (diffusers has no such pipeline)")
+        self.check_image(r, pipe)
+
+    def check_image(self, r, pipe) -> None:
+        """Refuse what any ControlNet cannot take: the pipeline, the window, the image's shape, the scale."""
         refuse_edits(r, pipe.family, "--controlnet: ControlNets", "a ControlNet")
         check_window(self.start, self.end)
         if (self.image.ndim != 4 or self.image.shape[0] not in (1, len(r.prompts))
@@ -99,7 +107,7 @@ class ControlNetPlugin(Plugin):
         """The ControlNet's residuals for the UNet batch (B * branches rows, image-major, the text branch last,
         `pipelines.guidance`), read from the rows that share their input once (`ModelCall.shared`); in guess mode
         with guidance, from the text branch's rows alone, the other branches' residuals zeros."""
-        n, cond, scale = call.branches, call.cond, self.scales[:, call.index]  # scale: (B,)
+        n, cond, scale = call.branches, call.cond, self.scales[..., call.index]  # scale: (B, ...)
         text_only = self.guess_mode and n > 1
         if text_only:  # the text branch's rows; the others get zeros below
             pick = lambda a: a.reshape(a.shape[0] // n, n, *a.shape[1:])[:, -1]  # (B*n, ...) -> (B, ...)
@@ -109,14 +117,25 @@ class ControlNetPlugin(Plugin):
             rows = lambda a: jnp.repeat(a, n // call.shared, axis=0)  # (B*n/shared, ...)
             x = rows(call.latents)
         t = jnp.broadcast_to(call.timestep, (x.shape[0],))
-        scale = scale if text_only else jnp.repeat(scale, n)  # one per context row
-        down, mid = models[self.model](x, t, text, rows(self.image), scale, call.added(cond), self.guess_mode)
+        scale = scale if text_only else jnp.repeat(scale, n, axis=0)  # one per context row
+        down, mid = self.residuals(models[self.model], x, t, text, rows, scale, call.added(cond))
         if text_only:
             def pad(r):  # (B, ...) -> (B * n, ...), zeros in the other branches' rows
                 stacked = jnp.stack([jnp.zeros_like(r)] * (n - 1) + [r], axis=1)  # (B, n, ...)
                 return stacked.reshape(r.shape[0] * n, *r.shape[1:])
             down, mid = jax.tree.map(pad, (down, mid))
         return residuals.controlnet(call.unet, down, mid)
+
+    def residuals(self, net, x, t, text, rows, scale, added) -> tuple:
+        """The net's two outputs for the ControlNet's batch x; `rows` takes this plug-in's per-image inputs to
+        x's rows."""
+        return net(x, t, text, rows(self.image), scale, added, self.guess_mode)
+
+
+def default_scale(at) -> float:
+    """diffusers' controlnet_conditioning_scale for the pipeline (`pipelines.method.Context`): 1.0, img2img 0.8,
+    inpainting 0.5 (SDXL 1.0)."""
+    return (1.0 if at.pipe.family.xl else 0.5) if at.mask else 0.8 if at.image else 1.0
 
 
 def refuse_edits(r, family, what: str, one: str) -> None:
@@ -199,6 +218,8 @@ class Flags(Method):
     flag = Control.flag
 
     def check(self, args) -> list:
+        if args.control_mode:  # ControlNet-Unions' images (`pipelines.control_union`)
+            return []
         pictures = pictures_per_model(args, "controlnet", "control_image", "a ControlNet guides one model")
         n = len(pictures)
         if not n and (args.guess_mode or args.controlnet_conditioning_scale):
@@ -224,9 +245,11 @@ class Flags(Method):
     def request(self, args, read, at) -> dict:
         """Each --control-image at the generation size, its scale (diffusers' default for the pipeline: 1.0,
         img2img 0.8, inpainting 0.5 (SDXL 1.0)) and guidance window."""
+        if not read:  # no ControlNets, or ControlNet-Unions' images
+            return {}
         n = len(read)
-        default = (1.0 if at.pipe.family.xl else 0.5) if at.mask else 0.8 if at.image else 1.0
-        scales = per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale", self.flag) or [default] * n
+        scales = per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale", self.flag) or \
+            [default_scale(at)] * n
         nets = at.pipe.conditioning_models(Control.kind)
         return {"conditioning": [
             Control(fit_control_image(at.cut(p), at.size, net.config.conditioning_channels), scale, start, end,

@@ -49,6 +49,7 @@ class ControlNetConfig(JsonConfig):
     """
 
     label: ClassVar[str] = "controlnet config"
+    diffusers_fields: ClassVar = staticmethod(diffusers_config.controlnet_fields)  # config.json -> the fields
     kinds: ClassVar[Mapping[str, Kind]] = {
         "unet": ("a UNet config (an object)", lambda v: isinstance(v, UNetConfig)),
         "conditioning_channels": COUNT, "conditioning_embedding_out_channels": COUNT_LIST,
@@ -94,7 +95,7 @@ class ControlNetConfig(JsonConfig):
     def from_diffusers_config(cls, d: Mapping[str, Any]) -> ControlNetConfig:
         """From a diffusers ControlNetModel `config.json` dict (missing fields take diffusers' defaults;
         the rules for every field are `sdx.diffusers_config`'s)."""
-        fields = diffusers_config.controlnet_fields(d)
+        fields = cls.diffusers_fields(d)
         try:
             unet = UNetConfig(**fields.pop("unet"))
         except SdxError as e:
@@ -198,14 +199,21 @@ class ControlNetModel(UNetEncoder):
             image = image[..., ::-1]  # diffusers flips the channel axis
         temb = self._embed(timesteps, b, added_cond)
         x = self.conv_in(sample.astype(self.dtype)) + self.controlnet_cond_embedding(image)
-        x, skips = self._down(x, temb, encoder_hidden_states)
-        x = self._run(self.mid_block, x, temb, encoder_hidden_states)
+        return self._residuals(x, temb, encoder_hidden_states, rows, conditioning_scale, guess_mode)
+
+    def _residuals(self, x, temb, context, rows: int, scale, guess_mode: bool) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        """`__call__`'s residuals from x, conv_in's output with the image's embedding added (B, h, w, C0): the
+        down and mid blocks, a zero convolution each, widened to the context's `rows`, times `scale` (a number or
+        one per row) and guess mode's steps, pooled with global_pool_conditions."""
+        c = self.config
+        x, skips = self._down(x, temb, context)
+        x = self._run(self.mid_block, x, temb, context)
         residuals = [widen(zero_conv(s), rows) for zero_conv, s in zip(self.controlnet_down_blocks, skips)]
         residuals.append(widen(self.controlnet_mid_block(x), rows))
 
         n = len(residuals)
         steps = np.logspace(-1, 0, n) if guess_mode and not c.global_pool_conditions else np.ones(n)
-        scales = jnp.asarray(conditioning_scale, jnp.float32)[..., None] * jnp.asarray(steps, jnp.float32)  # ([B,] n)
+        scales = jnp.asarray(scale, jnp.float32)[..., None] * jnp.asarray(steps, jnp.float32)  # ([B,] n)
         per_row = lambda s: s.reshape(-1, 1, 1, 1)  # () or (B,) -> (1 or B, 1, 1, 1)
         residuals = [r * per_row(scales[..., i]).astype(r.dtype) for i, r in enumerate(residuals)]
         if c.global_pool_conditions:

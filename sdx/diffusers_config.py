@@ -1,6 +1,7 @@
 """diffusers' and transformers' `config.json` <-> the fields of sdx's architecture configs.
 
-The UNet (`sdx.unet.UNetConfig`), the ControlNet (`sdx.controlnet.ControlNetConfig`), the VAE
+The UNet (`sdx.unet.UNetConfig`), the ControlNets (`sdx.controlnet.ControlNetConfig`,
+`sdx.controlnet_union.ControlNetUnionConfig`), the VAE
 (`sdx.vae.VAEConfig`) and the CLIP text encoders (`sdx.clip.TextEncoderConfig`) read and write the
 hub's config files through this one module, under one policy for every key of such a file:
 
@@ -332,21 +333,70 @@ def controlnet_fields(d: Mapping[str, Any]) -> dict[str, Any]:
     class_name = d.get("_class_name")
     if class_name not in (None, "ControlNetModel", "FlaxControlNetModel"):
         raise SdxError(f"{CONTROLNET}: _class_name {class_name!r} is not implemented in sdx (only ControlNetModel)")
-    check_known(CONTROLNET, d, CONTROLNET_DEFAULTS)
-    f = {**CONTROLNET_DEFAULTS, **{k: v for k, v in d.items() if not _private(k)}}
-    check_types(CONTROLNET, f, CONTROLNET_KINDS)
-    check_fixed(CONTROLNET, f, CONTROLNET_FIXED)
+    return _encoder_fields(d, CONTROLNET, CONTROLNET_DEFAULTS, CONTROLNET_FIXED)
+
+
+def _encoder_fields(d: Mapping[str, Any], label: str, defaults: Mapping[str, Any],
+                    fixed: Mapping[str, tuple[Any, ...]]) -> dict[str, Any]:
+    """The fields a ControlNet and a ControlNet-Union share, from `d` under `defaults` (every key it knows)."""
+    check_known(label, d, defaults)
+    f = {**defaults, **{k: v for k, v in d.items() if not _private(k)}}
+    check_types(label, f, CONTROLNET_KINDS)
+    check_fixed(label, f, fixed)
     unet = {k: f[k] for k in CONTROLNET_UNET_FIELDS if k != "num_attention_heads"}
     if f["num_attention_heads"] is not None:
         unet["attention_head_dim"] = f["num_attention_heads"]
     unet.update(_mirrored_up_half(f["down_block_types"], f["transformer_layers_per_block"]))
     return dict(
-        unet=unet_fields(unet, CONTROLNET),
+        unet=unet_fields(unet, label),
         conditioning_channels=int(f["conditioning_channels"]),
         conditioning_embedding_out_channels=tuple(f["conditioning_embedding_out_channels"]),
         global_pool_conditions=bool(f["global_pool_conditions"]),
         controlnet_conditioning_channel_order=f["controlnet_conditioning_channel_order"],
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# ControlNetUnionModel (diffusers)
+#
+# A ControlNet-Union (xinsir's ControlNet++) is a ControlNet with a condition transformer and a control-type
+# embedding: ControlNetModel's fields but mid_block_type (it always builds the cross-attention mid block), a wider
+# default image embedding, and five fields of its own. xinsir's released config.json names the class
+# "ControlNetModel" and carries num_control_type, so a config with any of the five is read as a union.
+
+CONTROLNET_UNION = "controlnet-union config"
+CONTROLNET_UNION_OWN: dict[str, Any] = {
+    "num_control_type": 6, "num_trans_channel": 320, "num_trans_head": 8, "num_trans_layer": 1, "num_proj_channel": 320,
+}
+# diffusers 0.42 ControlNetUnionModel.__init__ defaults (tests check this table against diffusers).
+CONTROLNET_UNION_DEFAULTS: dict[str, Any] = {
+    **{k: v for k, v in CONTROLNET_DEFAULTS.items() if k != "mid_block_type"},
+    "conditioning_embedding_out_channels": (48, 96, 192, 384), **CONTROLNET_UNION_OWN,
+}
+CONTROLNET_UNION_KINDS: dict[str, Kind] = {**{k: COUNT for k in CONTROLNET_UNION_OWN}, "num_trans_layer": DEPTH}
+CONTROLNET_UNION_FIXED: dict[str, tuple[Any, ...]] = {
+    "controlnet_conditioning_channel_order": ("rgb",),  # its forward refuses "bgr"
+    "mid_block_type": ("UNetMidBlock2DCrossAttn",),  # what it builds, whatever a ControlNetModel config.json says
+    "addition_embed_type": ("text_time",),  # SDXL's: its control types are embedded with addition_time_embed_dim
+}
+UNION_CLASSES = ("ControlNetUnionModel", "ControlNetModel")
+
+
+def is_controlnet_union(d: Mapping[str, Any]) -> bool:
+    """Whether a ControlNet `config.json` dict is a ControlNet-Union's: its class, or any of the union's fields."""
+    return d.get("_class_name") == UNION_CLASSES[0] or any(k in d for k in CONTROLNET_UNION_OWN)
+
+
+def controlnet_union_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """`ControlNetUnionConfig` keyword arguments from a diffusers ControlNetUnionModel `config.json` dict (or
+    xinsir's, which names ControlNetModel)."""
+    class_name = d.get("_class_name")
+    if class_name not in (None, *UNION_CLASSES):
+        raise SdxError(f"{CONTROLNET_UNION}: _class_name {class_name!r} is not a ControlNetUnionModel")
+    defaults = {**CONTROLNET_UNION_DEFAULTS, "mid_block_type": CONTROLNET_UNION_FIXED["mid_block_type"][0]}
+    own = {**CONTROLNET_UNION_OWN, **{k: d[k] for k in CONTROLNET_UNION_OWN if k in d}}
+    check_types(CONTROLNET_UNION, own, CONTROLNET_UNION_KINDS)
+    return {**_encoder_fields(d, CONTROLNET_UNION, defaults, CONTROLNET_UNION_FIXED), **own}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -114,12 +114,12 @@ def from_torch_keys(
     """
     out: dict[str, np.ndarray] = {}
     for key, array in source.items():
-        prefix, _, last = key.rpartition(".")
+        prefix, dot, last = key.rpartition(".")
         names = _WEIGHT_NAMES if last == "weight" else (last,)
-        found = [n for n in names if f"{prefix}.{n}" in targets]
+        found = [n for n in names if f"{prefix}{dot}{n}" in targets]  # a top-level parameter has no prefix
         if not found:
             raise SdxError(f"{where}: tensor {key!r} has no place in the model (unexpected key)")
-        path = f"{prefix}.{found[0]}"
+        path = f"{prefix}{dot}{found[0]}"
         if path in out:
             raise SdxError(f"{where}: tensor {key!r} fills {path}, which another tensor already filled")
         converted = _to_flax(found[0], np.asarray(array), len(targets[path]))

@@ -224,6 +224,15 @@ def _controlnet(out: Path, build) -> None:
     diffusers.ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=[8, 16]).save_pretrained(out)
 
 
+def _controlnet_union(out: Path, build) -> None:
+    import diffusers
+
+    from tests.test_controlnet_union import TINY, union_from_unet
+
+    unet = diffusers.UNet2DConditionModel.from_pretrained(build("stabilityai/stable-diffusion-xl-base-1.0") / "unet")
+    union_from_unet(unet, [8, 16], **TINY).save_pretrained(out)
+
+
 def _sketch_adapter(out: Path, _build) -> None:
     import diffusers
 
@@ -287,6 +296,7 @@ STAND_INS = {
     "timbrooks/instruct-pix2pix": _pipeline("pix2pix"),
     "diffusers/stable-diffusion-xl-1.0-inpainting-0.1": _pipeline("sdxl_inpaint"),
     "lllyasviel/control_v11p_sd15_canny": _controlnet,
+    "xinsir/controlnet-union-sdxl-1.0": _controlnet_union,
     "TencentARC/t2i-adapter-sketch-sdxl-1.0": _sketch_adapter,
     "h94/IP-Adapter": _ip_adapter,
     "madebyollin/sdxl-vae-fp16-fix": _vae,
