@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipelines import control, control_union, image_prompt, research_cli, sampling_cli, t2i_adapter
+from pipelines import conditioning_cli, research_cli, sampling_cli
 from pipelines.method import Context, Method
 from pipelines.model_names import resolve_model
 from sdx import images, io
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import PIL.Image
 
 # every method's command-line part, in the order of --help and of the request's conditioning
-METHODS: tuple[Method, ...] = (control.FLAGS, control_union.FLAGS, t2i_adapter.FLAGS, image_prompt.FLAGS, *research_cli.METHODS)
+METHODS: tuple[Method, ...] = (*conditioning_cli.METHODS, *research_cli.METHODS)
 # flags recorded in the PNG's metadata when set (the methods record their own)
 RECORDED = ("prompt_2", "negative_prompt_2", "image", "mask", "mask_blur", "apply_overlay", "refiner", "latents",
             "clip_skip", "lora", "vae", "embedding", "padding_mask_crop")

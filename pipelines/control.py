@@ -6,7 +6,8 @@ Each ControlNet (`sdx.controlnet.ControlNetModel`) reads the latents the UNet re
 scheduler, without an inpainting model's mask channels), the timestep, the text conditioning and its own
 control image, and its residuals are added to the UNet's skip connections and mid block (`sdx.residuals`);
 several ControlNets' residuals add up (diffusers' MultiControlNetModel). `Control` is a ControlNet's request part,
-`ControlNetPlugin` its program part (`pipelines.plugin`), `Flags` its command-line part (`pipelines.method`).
+`ControlNetPlugin` its program part (`pipelines.plugin`), `pipelines.conditioning_cli.ControlNetFlags` its command-line
+part (`pipelines.method`).
 
 - The control image is the user's map (edges, depth, pose, ...): resized to the generation size with
   Lanczos when it differs, RGB, in [0, 1] (diffusers' control_image_processor: no normalisation).
@@ -28,7 +29,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines.method import Method, per_model, pictures_per_model
 from pipelines.plugin import DENOISE, PREPARE, Batch, Input, ModelCall, Plugin, Ready
 from sdx import residuals
 from sdx.controlnet import ControlNetModel
@@ -191,78 +191,3 @@ def check_compatible(net: ControlNetModel, unet: UNetConfig, factor: int, where:
     if wrong:
         raise SdxError(f"--controlnet {where}: made for another UNet; it differs in {', '.join(wrong)} (an SD 1.x "
                        "ControlNet goes with SD 1.x models, an SDXL one with SDXL)")
-
-
-class Flags(Method):
-    """`python -m sdx.sample`'s ControlNet flags."""
-
-    title = "ControlNet"
-
-    def add_flags(self, g) -> None:
-        g.add_argument("--controlnet", metavar="MODEL", action="append", default=[],
-                       help="a ControlNet (diffusers or sdx folder, hub id, or original single file) to guide the model "
-                            "with; repeatable, each with its --control-image")
-        g.add_argument("--control-image", metavar="FILE", action="append", default=[],
-                       help="the map a --controlnet reads (edges, depth, pose, ... as the user made it), in the same "
-                            "order; resized to the generation size")
-        g.add_argument("--controlnet-conditioning-scale", metavar="S", type=float, nargs="+",
-                       help="one, or one per --controlnet (default 1.0; img2img 0.8; inpainting 0.5, SDXL 1.0: diffusers')")
-        g.add_argument("--control-guidance-start", metavar="F", type=float, nargs="+", default=[0.0],
-                       help="share of the steps before a ControlNet starts acting: one, or one per --controlnet")
-        g.add_argument("--control-guidance-end", metavar="F", type=float, nargs="+", default=[1.0],
-                       help="share of the steps after which a ControlNet stops acting: one, or one per --controlnet")
-        g.add_argument("--guess-mode", action="store_true",
-                       help="ControlNets act without the prompt's help: their residuals scaled from 0.1 to 1 across the "
-                            "blocks and, with guidance, on the text branch only")
-
-    flag = Control.flag
-
-    def check(self, args) -> list:
-        if args.control_mode:  # ControlNet-Unions' images (`pipelines.control_union`)
-            return []
-        pictures = pictures_per_model(args, "controlnet", "control_image", "a ControlNet guides one model")
-        n = len(pictures)
-        if not n and (args.guess_mode or args.controlnet_conditioning_scale):
-            raise SdxError("--guess-mode and --controlnet-conditioning-scale act on ControlNets: pass --controlnet")
-        for scale in per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale", self.flag) or []:
-            if not np.isfinite(scale):
-                raise SdxError(f"--controlnet-conditioning-scale {scale} must be a finite number")
-        if n:
-            for start, end in zip(*self._windows(args, n)):
-                check_window(start, end)
-        return pictures
-
-    def _windows(self, args, n: int) -> tuple[list, list]:
-        return (per_model(args.control_guidance_start, n, "--control-guidance-start", self.flag),
-                per_model(args.control_guidance_end, n, "--control-guidance-end", self.flag))
-
-    def load(self, args, cache, log) -> dict:
-        return {"controlnets": tuple(args.controlnet)}
-
-    def pictures(self, read) -> list:
-        return read
-
-    def request(self, args, read, at) -> dict:
-        """Each --control-image at the generation size, its scale (diffusers' default for the pipeline: 1.0,
-        img2img 0.8, inpainting 0.5 (SDXL 1.0)) and guidance window."""
-        if not read:  # no ControlNets, or ControlNet-Unions' images
-            return {}
-        n = len(read)
-        scales = per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale", self.flag) or \
-            [default_scale(at)] * n
-        nets = at.pipe.conditioning_models(Control.kind)
-        return {"conditioning": [
-            Control(fit_control_image(at.cut(p), at.size, net.config.conditioning_channels), scale, start, end,
-                    args.guess_mode)
-            for p, net, scale, start, end in zip(read, nets, scales, *self._windows(args, n))]}
-
-    def png(self, args, request) -> dict:
-        controls = [one for one in request.conditioning if isinstance(one, Control)]
-        if not controls:
-            return {}
-        out = {"controlnet": args.controlnet, "control_image": args.control_image,
-               "controlnet_conditioning_scale": [c.scale for c in controls]}
-        return out | ({"guess_mode": True} if args.guess_mode else {})
-
-
-FLAGS = Flags()

@@ -7,7 +7,7 @@ A ControlNet-Union (`sdx.controlnet_union.ControlNetUnionModel`, SDXL's) is a Co
 several control images at once, each with its control type. Everything else is a ControlNet's
 (`pipelines.control`): the latents, timestep and text it reads, its residuals at the UNet's skip connections
 and mid block, the guidance window, guess mode. `UnionControl` is its request part, `UnionPlugin` its program
-part (`pipelines.plugin`), `Flags` its command-line part (`pipelines.method`).
+part (`pipelines.plugin`), `pipelines.conditioning_cli.UnionFlags` its command-line part (`pipelines.method`).
 
 - One ControlNet-Union takes every image with its type (diffusers' `control_mode`, one per image); several take
   one image each and their residuals add up (diffusers' MultiControlNetUnionModel). A plain ControlNet goes with
@@ -28,8 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from pipelines.control import Control, ControlNetPlugin, check_window, default_scale, fit_control_image, scales_per_call
-from pipelines.method import Method, per_model, read_picture
+from pipelines.control import Control, ControlNetPlugin, scales_per_call
 from pipelines.plugin import Batch, Input
 from sdx.controlnet_union import ControlNetUnionModel
 from sdx.errors import SdxError
@@ -146,74 +145,3 @@ class UnionPlugin(ControlNetPlugin):
         """The union's two outputs, its condition transformer attending across each image's rows of x."""
         return net(x, t, text, rows(self.image), rows(self.control_type), rows(self.index), scale, added,
                    self.guess_mode, rows_per_image=x.shape[0] // self.image.shape[0])
-
-
-class Flags(Method):
-    """`python -m sdx.sample`'s ControlNet-Union flag, `--control-mode`; the images, scales, windows and guess
-    mode are the ControlNet flags (`pipelines.control.Flags`), per image."""
-
-    title = "ControlNet-Union"
-
-    def add_flags(self, g) -> None:
-        g.add_argument("--control-mode", metavar="MODE", action="append", default=[],
-                       help="the control type of each --control-image, in the same order, when --controlnet is a "
-                            "ControlNet-Union: diffusers' index or its name (openpose, depth, hed/scribble/softedge, "
-                            "canny/lineart/mlsd, normal, segment, tile, repaint); one ControlNet-Union takes every "
-                            "image, several take one each")
-
-    def check(self, args) -> list:
-        modes, paths, nets = args.control_mode, args.control_image, len(args.controlnet)
-        if not modes:
-            return []
-        if not nets:
-            raise SdxError("--control-mode gives a ControlNet-Union's control types: pass --controlnet")
-        if len(modes) != len(paths):
-            raise SdxError(f"give one --control-mode per --control-image ({len(paths)}), not {len(modes)}")
-        if nets > 1 and len(paths) != nets:
-            raise SdxError(f"several ControlNet-Unions take one --control-image each: {nets} --controlnet, "
-                           f"{len(paths)} images")
-        if args.refiner:
-            raise SdxError("--controlnet and --refiner do not go together: a ControlNet guides one model")
-        for mode in modes:
-            mode_index(mode)
-        for scale in per_model(args.controlnet_conditioning_scale, len(paths), "--controlnet-conditioning-scale",
-                               Control.image_flag) or []:
-            if not np.isfinite(scale):
-                raise SdxError(f"--controlnet-conditioning-scale {scale} must be a finite number")
-        for start, end in zip(*self._windows(args, len(paths))):
-            check_window(start, end)
-        return [read_picture(path, Control.image_flag) for path in paths]
-
-    def _windows(self, args, n: int) -> tuple[list, list]:
-        return (per_model(args.control_guidance_start, n, "--control-guidance-start", Control.image_flag),
-                per_model(args.control_guidance_end, n, "--control-guidance-end", Control.image_flag))
-
-    def pictures(self, read) -> list:
-        return read
-
-    def request(self, args, read, at) -> dict:
-        """One `UnionControl` with every image, or one per ControlNet-Union with its image, each image at the
-        generation size with its mode, scale (diffusers' default for the pipeline) and window."""
-        if not read:
-            return {}
-        nets = at.pipe.conditioning_models(Control.kind)
-        n = len(read)
-        images = [fit_control_image(at.cut(p), at.size, nets[i if len(nets) > 1 else 0].config.conditioning_channels)
-                  for i, p in enumerate(read)]
-        scales = per_model(args.controlnet_conditioning_scale, n, "--controlnet-conditioning-scale",
-                           Control.image_flag) or [default_scale(at)] * n
-        each = list(zip(images, args.control_mode, scales, *self._windows(args, n)))
-        groups = [each] if len(nets) == 1 else [[one] for one in each]
-        return {"conditioning": [UnionControl(*(tuple(v) for v in zip(*group)), guess_mode=args.guess_mode)
-                                 for group in groups]}
-
-    def png(self, args, request) -> dict:
-        unions = [one for one in request.conditioning if isinstance(one, UnionControl)]
-        if not unions:
-            return {}
-        out = {"controlnet": args.controlnet, "control_image": args.control_image, "control_mode": args.control_mode,
-               "controlnet_conditioning_scale": [part.scale for one in unions for part in one.parts()]}
-        return out | ({"guess_mode": True} if args.guess_mode else {})
-
-
-FLAGS = Flags()

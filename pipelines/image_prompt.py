@@ -22,9 +22,7 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -33,13 +31,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipelines.method import Method, per_model, pictures_per_model
 from pipelines.plugin import PREPARE, Batch, Input, ModelCall, Plugin, Ready, model_name
 from sdx import weights
 from sdx.clip_vision import CLIPVisionModelWithProjection, image_encoder_inputs, load_image_encoder
 from sdx.errors import SdxError
 from sdx.interventions import Interventions
-from sdx.ip_adapter import IPAdapter, Scale, attention_scales, diffusers_scales, image_attention, load_ip_adapter
+from sdx.ip_adapter import IPAdapter, Scale, attention_scales, image_attention, load_ip_adapter
 from sdx.layers import Compute
 
 if TYPE_CHECKING:
@@ -159,90 +156,3 @@ def tokens(adapter: IPAdapter, encoder: CLIPVisionModelWithProjection, pixels: j
     none = jnp.zeros_like(pixels[:1])  # an all-zero image (plus) or embedding (plain), the same for every row
     none = read(encoder(none.astype(encoder.compute.dtype))) if plus else jnp.zeros((1, adapter.config.image_embed_dim))
     return positive, jnp.broadcast_to(adapter.tokens(none), positive.shape)
-
-
-def _scale(text: str) -> Scale:
-    """--ip-adapter-scale: a number, or a JSON object of per-block scales."""
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor a JSON object like "
-                                         '\'{"up": {"block_0": [0.0, 1.0, 0.0]}}\'')
-    return value
-
-
-class Flags(Method):
-    """`python -m sdx.sample`'s IP-Adapter flags: one --ip-adapter-image per --ip-adapter, in order."""
-
-    title = "IP-Adapter"
-    flag = ImagePrompt.flag
-
-    def add_flags(self, g) -> None:
-        g.add_argument("--ip-adapter", metavar="FILE", action="append", default=[],
-                       help="an IP-Adapter .safetensors file (plain or plus, e.g. h94/IP-Adapter's "
-                            "models/ip-adapter_sd15.safetensors) that lets --ip-adapter-image prompt the model; "
-                            "repeatable, each with its --ip-adapter-image")
-        g.add_argument("--ip-adapter-image", metavar="FILE", action="append", default=[],
-                       help="the image prompt an --ip-adapter reads, in the same order")
-        g.add_argument("--ip-adapter-scale", metavar="S", type=_scale, action="append",
-                       help="weight of the image prompt in every cross-attention (default 1.0; 0 ignores it), or per "
-                            "block as JSON, diffusers' set_ip_adapter_scale dict, e.g. '{\"up\": {\"block_0\": [0.0, "
-                            "1.0, 0.0]}}' (InstantStyle: the style block only; parts and blocks left out get 0); one, "
-                            "or one per --ip-adapter")
-        g.add_argument("--ip-adapter-image-encoder", metavar="FOLDER", action="append", default=[],
-                       help="an adapter's CLIP image encoder (a transformers CLIPVisionModelWithProjection folder; "
-                            "default: image_encoder beside the --ip-adapter file, as h94/IP-Adapter lays them out); "
-                            "none, or one per --ip-adapter")
-
-    def check(self, args) -> list:
-        """Refuse bad IP-Adapter flags (a missing, pickled or foreign local adapter file among them, unloaded)."""
-        from convert.hub import split_hub_path
-        from convert.sources import looks_local
-        from sdx.ip_adapter import config_of, read_file
-
-        pictures = pictures_per_model(args, "ip_adapter", "ip_adapter_image", "an IP-Adapter is made for one UNet")
-        n = len(pictures)
-        if not n and (args.ip_adapter_scale or args.ip_adapter_image_encoder):
-            raise SdxError("--ip-adapter-scale and --ip-adapter-image-encoder go with an IP-Adapter: pass --ip-adapter")
-        if args.ip_adapter_image_encoder and len(args.ip_adapter_image_encoder) != n:
-            raise SdxError(f"--ip-adapter-image-encoder: give none or one per --ip-adapter ({n}), not "
-                           f"{len(args.ip_adapter_image_encoder)}")
-        for scale in per_model(args.ip_adapter_scale, n, "--ip-adapter-scale", self.flag) or []:
-            if not isinstance(scale, dict) and not np.isfinite(scale):
-                raise SdxError(f"--ip-adapter-scale {scale} must be a finite number")
-        for spec in args.ip_adapter:
-            on_hub = not Path(spec).exists() and not looks_local(spec) and (split_hub_path(spec) or ("", None))[1]
-            if not on_hub:
-                config_of(read_file(spec), f"--ip-adapter {spec}")
-        return pictures
-
-    def load(self, args, cache, log) -> dict:
-        from convert.sources import resolve_ip_adapter
-
-        encoders = args.ip_adapter_image_encoder or [None] * len(args.ip_adapter)
-        found = [resolve_ip_adapter(spec, encoder, cache_dir=cache / "models", log=log)
-                 for spec, encoder in zip(args.ip_adapter, encoders)]
-        return {"ip_adapters": tuple(a for a, _ in found), "image_encoders": tuple(e for _, e in found)}
-
-    def request(self, args, read, at) -> dict:
-        """Each --ip-adapter-image's prompt at its scale (diffusers' per-block dicts as site patterns)."""
-        scales = per_model(args.ip_adapter_scale, len(read), "--ip-adapter-scale", self.flag) or [1.0] * len(read)
-        unet = at.pipe.sampler.models["unet"]
-        scales = [diffusers_scales(s, unet) if isinstance(s, dict) else s for s in scales]
-        return {"conditioning": [ImagePrompt.of([picture], at.pipe, k, scale)
-                                 for k, (picture, scale) in enumerate(zip(read, scales))]}
-
-    def png(self, args, request) -> dict:
-        if not args.ip_adapter:
-            return {}
-        return {"ip_adapter": args.ip_adapter, "ip_adapter_image": args.ip_adapter_image,
-                "ip_adapter_scale": args.ip_adapter_scale or [1.0]}
-
-
-FLAGS = Flags()

@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from collections.abc import Callable

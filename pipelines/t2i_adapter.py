@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import jax
@@ -30,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from pipelines.control import refuse_edits
-from pipelines.method import Method, per_model, pictures_per_model
 from pipelines.plugin import PREPARE, Batch, Input, ModelCall, Plugin, Ready
 from sdx import residuals
 from sdx.errors import SdxError
@@ -163,65 +161,3 @@ def check_together(configs: Sequence[T2IAdapterConfig], sources: Sequence[str]) 
     if len(counts) > 1 or len(factors) > 1:
         raise SdxError(f"--t2i-adapter {', '.join(sources)}: adapters given together must give the same feature maps; "
                        "these differ in their number or size")
-
-
-class Flags(Method):
-    """`python -m sdx.sample`'s T2I-Adapter flags."""
-
-    title = "T2I-Adapter"
-    flag = AdapterImage.flag
-
-    def add_flags(self, g) -> None:
-        g.add_argument("--t2i-adapter", metavar="MODEL", action="append", default=[],
-                       help="a T2I-Adapter (diffusers folder, hub id, e.g. TencentARC/t2iadapter_sketch_sd14v1, or an "
-                            "original t2iadapter_*.pth file) to guide the model with; repeatable, each with its "
-                            "--t2i-adapter-image")
-        g.add_argument("--t2i-adapter-image", metavar="FILE", action="append", default=[],
-                       help="the map a --t2i-adapter reads (sketch, depth, pose, ...), in the same order; resized to "
-                            "the generation size")
-        g.add_argument("--t2i-adapter-scale", metavar="S", type=float, nargs="+",
-                       help="weight of each adapter's features: one, or one per --t2i-adapter (default 1.0)")
-        g.add_argument("--t2i-adapter-factor", metavar="F", type=float, default=1.0,
-                       help="share of the steps, from the first, that the T2I-Adapters act in (default 1.0)")
-
-    def check(self, args) -> list:
-        """Refuse bad T2I-Adapter flags (and a local adapter whose architecture cannot be read)."""
-        pictures = pictures_per_model(args, "t2i_adapter", "t2i_adapter_image", "an adapter guides one model")
-        n = len(pictures)
-        if not n and (args.t2i_adapter_scale or args.t2i_adapter_factor != 1.0):
-            raise SdxError("--t2i-adapter-scale and --t2i-adapter-factor act on T2I-Adapters: pass --t2i-adapter")
-        if n and not 0.0 <= args.t2i_adapter_factor <= 1.0:
-            raise SdxError(f"--t2i-adapter-factor {args.t2i_adapter_factor}: the share of the steps the adapters act "
-                           "in, from 0 to 1")
-        for scale in per_model(args.t2i_adapter_scale, n, "--t2i-adapter-scale", self.flag) or []:
-            if not np.isfinite(scale):
-                raise SdxError(f"--t2i-adapter-scale {scale} must be a finite number")
-        from convert.t2i_adapter import local_config
-
-        for spec in args.t2i_adapter:
-            if Path(spec).exists():
-                local_config(Path(spec), f"--t2i-adapter {spec}")
-        return pictures
-
-    def load(self, args, cache, log) -> dict:
-        return {"t2i_adapters": tuple(args.t2i_adapter)}
-
-    def pictures(self, read) -> list:
-        return read
-
-    def request(self, args, read, at) -> dict:
-        scales = per_model(args.t2i_adapter_scale, len(read), "--t2i-adapter-scale", self.flag) or [1.0] * len(read)
-        adapters = at.pipe.conditioning_models(AdapterImage.kind)
-        return {"conditioning": [
-            AdapterImage(fit_image(at.cut(p), at.size, adapter.config.in_channels), scale, args.t2i_adapter_factor)
-            for p, adapter, scale in zip(read, adapters, scales)]}
-
-    def png(self, args, request) -> dict:
-        adapters = [one for one in request.conditioning if isinstance(one, AdapterImage)]
-        if not adapters:
-            return {}
-        return {"t2i_adapter": args.t2i_adapter, "t2i_adapter_image": args.t2i_adapter_image,
-                "t2i_adapter_scale": [a.scale for a in adapters], "t2i_adapter_factor": args.t2i_adapter_factor}
-
-
-FLAGS = Flags()

@@ -87,8 +87,8 @@ def plan(body: Generation, served, limits: Limits, template: argparse.Namespace)
     """What `body` asks of `served` (`serve.model.Served`), or an SdxError naming the field. template: the
     sampling command's flags at their defaults."""
     from pipelines import sampling_cli
-    from pipelines import control
     from pipelines.cli import Job, read_flags
+    from pipelines.conditioning_cli import ControlNetFlags
     from pipelines.cli import _request as command_request
     from sdx.schedulers import from_name
 
@@ -116,7 +116,7 @@ def plan(body: Generation, served, limits: Limits, template: argparse.Namespace)
     job = Job(args, [])
     given = {}
     if units:
-        given[control.FLAGS.title] = _set_controls(args, units, served, size)
+        given[ControlNetFlags.title] = _set_controls(args, units, served, size)
     finish = lambda pixels: pixels
     if img2img:
         finish = _set_image(body, args, job, pipe.family.pix2pix, size, limits)
