@@ -93,6 +93,8 @@ def current(markdown: str, where: str) -> str:
             raise KeyError(f"{where}: no parser for {command!r}; add it to COMMANDS in docs/hooks.py")
         return f"<!-- flags: {command} -->\n\n{flag_tables(command)}\n<!-- end of flags -->"
 
+    if len(re.findall(r"^<!-- flags: ", markdown, re.M)) != len(TABLES.findall(markdown)):
+        raise ValueError(f"{where}: a `<!-- flags: COMMAND -->` without its `<!-- end of flags -->` line")
     return TABLES.sub(tables, markdown)
 
 

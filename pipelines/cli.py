@@ -380,13 +380,13 @@ def run(args: argparse.Namespace) -> list[Path]:
                 for job in jobs)
     args.model = args.model or ("default-edit" if edits else "default")
     # the first request's programs are read while the weights load (a refiner's run is two other requests)
-    first = None if args.refiner else lambda pipe: _request(todo[0], pipe)[0]
+    first = None if args.refiner else lambda pipe: job_request(todo[0], pipe)[0]
     pipes = _load(args, resolve_model(args.model, dtype=args.dtype, cache=cache, log=log, options=options), mesh, cache,
                   log, first)
     sizes = set()
     for job in todo:  # every request is checked against the model before the progress bar opens
         job.args.model = args.model
-        request = _request(job, pipes[0])[0]
+        request = job_request(job, pipes[0])[0]
         sizes.add((request.height, request.width))
     default_models.warn_other_size(args.model, sizes, pipes[0].default_size)
 
@@ -463,7 +463,7 @@ def _load(args: argparse.Namespace, folder: Path, mesh, cache: Path, log, first=
     return [pipe, sampling_cli.configured(args, load(ref_folder, args.refiner))]
 
 
-def _request(job: Job, pipe):
+def job_request(job: Job, pipe):
     """The job's `Request`, checked against the model, and its `pipelines.masks.Crop` with
     --padding-mask-crop, else None (--image and --mask are read again for a prompts-file line)."""
     from pipelines.masks import Crop, fit_mask, read_mask
@@ -518,7 +518,7 @@ def _generate(job: Job, pipes: list, bar, log) -> list[Path]:
     from pipelines.request import per_prompt
 
     a, pipe = job.args, pipes[0]
-    request, crop = _request(job, pipe)
+    request, crop = job_request(job, pipe)
     bad = generated = None
     try:
         if len(pipes) > 1:

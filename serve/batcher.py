@@ -17,7 +17,8 @@ the jobs that arrive, oldest first; a piece larger than the room left waits for 
 Exactness: an image does not depend on the other images of its call (the same program computes every row alike:
 the same bits whatever the others are), and is the image its request gets alone at the same batch size. Across
 batch sizes XLA's kernels round differently (measured on a CPU: float32 latents within 2e-6 relative, 8-bit
-pixels within 1 level; benchmarks/LOG.md), as the sampling command's --batch-size does.
+pixels within 1 level; benchmarks/LOG.md), as the sampling command's --batch-size does; `fixed` runs every call
+at the largest bucket, so that a request's images are the same bits alone as with any others.
 
 Progress is per job: its model calls (`Job.calls_done`), and, while a client asks for it (`Job.wants_preview`), a
 latent preview after each call (`serve.preview`). A cut job ends at the next step boundary; the others of its
@@ -85,11 +86,12 @@ class _Abort(Exception):
 
 class Batcher:
     """One worker thread that runs queued jobs in batches (see the module docstring). queue_size: jobs that may
-    wait; max_batch: images of different jobs one call takes; wait_s: how long a call waits for more."""
+    wait; max_batch: images of different jobs one call takes; wait_s: how long a call waits for more; fixed: every
+    call at the largest bucket, so that an image is the same bits whether its request came alone or not."""
 
-    def __init__(self, queue_size: int, max_batch: int, wait_s: float):
+    def __init__(self, queue_size: int, max_batch: int, wait_s: float, fixed: bool = False):
         self._queue: collections.deque[Job] = collections.deque()
-        self._size, self._max, self._wait = queue_size, max_batch, wait_s
+        self._size, self._max, self._wait, self._fixed = queue_size, max_batch, wait_s, fixed
         self._stopping = False
         self._changed = threading.Condition()
         self._pending: list[Piece] = []  # pieces of jobs taken from the queue, not run yet (worker only)
@@ -136,8 +138,10 @@ class Batcher:
         return count
 
     def _sizes(self, sampler, rows: int) -> list[int]:
-        """The buckets of `sampler`'s mesh, up to a call of `rows` images (a job larger than max_batch alone)."""
-        return buckets(max(self._max, rows), sampler.mesh.devices.size)
+        """The buckets of `sampler`'s mesh, up to a call of `rows` images (a job larger than max_batch alone); with
+        `fixed`, the largest alone."""
+        sizes = buckets(max(self._max, rows), sampler.mesh.devices.size)
+        return sizes[-1:] if self._fixed else sizes
 
     # ---------------------------------------------------------------------------------------------- worker
 

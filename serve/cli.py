@@ -52,6 +52,10 @@ def parser() -> argparse.ArgumentParser:
     queue.add_argument("--max-batch", type=int, default=8, help="images run together in one compiled call")
     queue.add_argument("--batch-wait-ms", type=float, default=20.0,
                        help="how long a batch may wait for more requests to join it")
+    queue.add_argument("--fixed-batch", action="store_true",
+                       help="every call runs at --max-batch images, padded: a request's images are then the same "
+                            "bits alone as with others (and as the command's with --batch-size MAX), a lone request "
+                            "costing a full call")
     queue.add_argument("--warmup", metavar="HEIGHTxWIDTH", type=sampling._size, nargs="*",
                        help="sizes whose programs to compile at start")
     limits = p.add_argument_group("limits of one request (each refused with a 4xx)")
@@ -79,6 +83,7 @@ class Settings:
     queue_size: int
     max_batch: int
     batch_wait_ms: float
+    fixed_batch: bool
     warmup: tuple[tuple[int, int], ...]
     limits: Limits
 
@@ -114,7 +119,7 @@ def check(args: argparse.Namespace) -> Settings:
     return Settings(host="0.0.0.0" if args.listen else "127.0.0.1", port=args.port,
                     users=parse_auth(args.api_auth) if args.api_auth is not None else (), cors_origins=origins,
                     queue_size=args.queue_size, max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-                    warmup=tuple(args.warmup or ()), limits=limits)
+                    fixed_batch=args.fixed_batch, warmup=tuple(args.warmup or ()), limits=limits)
 
 
 def main(argv: list[str] | None = None) -> int:

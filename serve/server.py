@@ -77,7 +77,7 @@ def run(args: argparse.Namespace, settings) -> None:
     from serve.batcher import Batcher
 
     served = load(args)
-    engine = Batcher(settings.queue_size, settings.max_batch, settings.batch_wait_ms / 1000)
+    engine = Batcher(settings.queue_size, settings.max_batch, settings.batch_wait_ms / 1000, settings.fixed_batch)
     template = sampling.parser().parse_args([])
     if settings.warmup:
         started = time.perf_counter()

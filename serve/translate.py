@@ -89,7 +89,7 @@ def plan(body: Generation, served, limits: Limits, template: argparse.Namespace)
     from pipelines import sampling_cli
     from pipelines.cli import Job, read_flags
     from pipelines.conditioning_cli import ControlNetFlags
-    from pipelines.cli import _request as command_request
+    from pipelines.cli import job_request
     from sdx.schedulers import from_name
 
     img2img = isinstance(body, Img2Img)
@@ -123,7 +123,7 @@ def plan(body: Generation, served, limits: Limits, template: argparse.Namespace)
     sampling_cli.check(args)
     job.read = read_flags(args, given)
     pipe = sampling_cli.configured(args, dataclasses.replace(pipe, scheduler=scheduler))
-    request, crop = command_request(job, pipe)
+    request, crop = job_request(job, pipe)
     if crop is not None:
         finish = lambda pixels: np.stack([crop.paste(p) for p in pixels])
     shown = Shown(

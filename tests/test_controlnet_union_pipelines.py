@@ -16,7 +16,6 @@ import json
 import jax
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from convert.library import ensure_sdx_folder

@@ -172,6 +172,8 @@ def test_the_flag_tables_in_the_pages_are_current():
     page = (REPO / "docs" / "generating.md").read_text()
     edited = page.replace("| `--steps STEPS` | denoising steps", "| `--steps N` | steps")
     assert edited != page and h.current(edited, "docs/generating.md") == page
+    with pytest.raises(ValueError, match="without its"):
+        h.current(page.replace("<!-- end of flags -->", ""), "docs/generating.md")
 
 
 def test_every_flag_has_a_sentence_and_a_topic():

@@ -45,7 +45,7 @@ def adapter_file(model, kind: str, seed: int = 0, tokens: int = 4) -> dict[str, 
         out |= {"image_proj.proj.weight": rand(tokens * d, EMBED), "image_proj.proj.bias": rand(tokens * d),
                 "image_proj.norm.weight": 1 + rand(d), "image_proj.norm.bias": rand(d)}
     else:
-        hidden, heads, inner = 16, 2, 2 * IP.RESAMPLER_HEAD_DIM
+        hidden, inner = 16, 2 * IP.RESAMPLER_HEAD_DIM  # two heads
         out |= {"image_proj.latents": rand(1, tokens, hidden), "image_proj.proj_in.weight": rand(hidden, EMBED),
                 "image_proj.proj_in.bias": rand(hidden), "image_proj.proj_out.weight": rand(d, hidden),
                 "image_proj.proj_out.bias": rand(d), "image_proj.norm_out.weight": 1 + rand(d),

@@ -1,7 +1,8 @@
 """The server's engine (serve/batcher.py) on the random-weight `tiny` model: requests that share a compiled program
 run in one sampler call, each image the bits its request gets alone at that batch size (and its lone run to XLA's
 rounding across batch sizes); a cut job ends at its next step and the others of its call are untouched; calls
-count per job; a bounded queue; a stop that answers the queued jobs; max_batch 1 is one job at a time."""
+count per job; a bounded queue; a stop that answers the queued jobs; max_batch 1 is one job at a time; with `fixed`,
+every call is full and a request's images are the same bits alone."""
 
 from __future__ import annotations
 
@@ -81,6 +82,20 @@ def test_different_requests_run_in_one_call_each_as_it_runs_alone(pipe, monkeypa
         err = float(np.abs(job.images - alone).max())
         print(f"{job.caller}: bit for bit its run at batch 4; against its run at batch {n}: max abs {err:.1e}")
         assert err < 1e-5
+
+
+def test_with_fixed_every_call_is_full_so_a_request_alone_gets_the_same_bits(pipe, monkeypatch):
+    calls = Calls(pipe, monkeypatch)
+    engine = Batcher(queue_size=8, max_batch=4, wait_s=2.0, fixed=True)
+    together = [_job(pipe, r, f"user{k}") for k, r in enumerate(REQUESTS)]
+    _all(engine, together)
+    alone = [_job(pipe, r, f"alone{k}") for k, r in enumerate(REQUESTS[:2])]
+    for job in alone:
+        _all(engine, [job])
+    engine.stop()
+    assert calls.sizes == [4, 4, 4]  # one call for the three jobs, then one for each lone job, padded
+    for a, b in zip(together, alone):
+        np.testing.assert_array_equal(a.images, b.images)
 
 
 def test_plans_that_differ_run_apart_and_max_batch_one_is_one_job_at_a_time(pipe, monkeypatch):
