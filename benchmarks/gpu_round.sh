@@ -42,6 +42,11 @@
 # 16. fewstep: steady state at batch 1, 4 steps (the last --steps wins), no classifier-free guidance
 #    (SDXL-Lightning's and Turbo's way of running), against diffusers;
 # 17. batch8: steady state at batch 8 against diffusers, best of 2, without the profiler.
+# 18. serve: issue 78's round, `python -m sdx.serve` under 1 and 8 concurrent clients, --max-batch 8 against
+#    --max-batch 1 and against diffusers behind a one-at-a-time FastAPI server (benchmarks/serve.py --diffusers);
+#    it needs the `serve` extra carried as wheels (fastapi 0.165.0, starlette 1.10.0, pydantic 2.14.4,
+#    pydantic_core 2.50.5, annotated-types 0.8.0, annotated-doc 0.0.7, typing-inspection 0.4.5, uvicorn 0.55.0:
+#    the image has none of them), and alone it wants the whole lease: STAGES=serve BUDGET=540.
 #
 # STAGES (names, space-separated) runs those, in its order: a round split over two calls, say, or the
 # stages that matter most first. A stage that needs another's files (end_to_end and batch1_warm read
@@ -124,6 +129,8 @@ for name in ${STAGES:-attention batch1 end_to_end batch1_warm batch4 memory batc
              --cache "$work/cache" --calls $((${STEPS:-25} < 6 ? ${STEPS:-25} : 6)) "${variants[@]}" ;;
   fewstep) stage "$name" 150 "$python" benchmarks/sample.py "${job[@]}" --steps 4 --batch 1 --guidance 0 \
              --attention "$attention" --repeats 3 ;;
+  serve) stage "$name" 540 "$python" benchmarks/serve.py --preset "${PRESET:-sdxl_base}" --dtype "${DTYPE:-bfloat16}" \
+           --size "${SIZE:-1024}" --steps "${STEPS:-25}" --clients 1 8 --requests 2 --diffusers ;;
   batch8) stage "$name" 240 "$python" benchmarks/sample.py "${job[@]}" --batch 8 --attention "$attention" --repeats 2 ;;
   *) echo "gpu_round.sh: no stage named $name" >&2; exit 2 ;;
   esac
