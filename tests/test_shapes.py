@@ -216,6 +216,70 @@ def test_largest_component():
     assert not shapes_eval.largest_component(np.zeros((5, 5), bool)).any()
 
 
+def _drawn(inside, size=64, colour="red", background="blue"):
+    """A picture of the shape `inside(x, y)` (bool, coordinates from the centre in fractions of the side), anti-
+    aliased by 4x4 supersampling as the world draws."""
+    t = (np.arange(4 * size) + 0.5) / (4 * size) - 0.5
+    cover = inside(t[None, :], t[:, None]).reshape(size, 4, size, 4).mean(axis=(1, 3))[..., None]
+    fg, bg = np.asarray(PALETTE[colour], np.float64), np.asarray(PALETTE[background], np.float64)
+    return np.round(bg + (fg - bg) * cover).astype(np.uint8)
+
+
+def _rounded_diamond(x, y, d=0.2, rho=0.05):
+    """Within rho of the diamond |x| + |y| <= d: a square turned 45 degrees, its corners rounded."""
+    ax, ay = np.abs(x), np.abs(y)
+    foot = np.clip((ax - ay + d) / 2, 0, d)  # the nearest point of the edge x + y = d
+    return (ax + ay <= d) | (np.hypot(ax - foot, ay - (d - foot)) <= rho)
+
+
+def test_roundness():
+    disc = np.hypot(*np.mgrid[-40:41, -40:41]) <= 35.5
+    assert shapes_eval.roundness(disc) == pytest.approx(1.0, abs=0.01)
+    square = np.zeros((220, 220), bool)
+    square[10:210, 10:210] = True  # its farthest pixel centres half a pixel inside the corners: (200 / 199)^2 x 2/pi
+    assert shapes_eval.roundness(square) == pytest.approx(2 / np.pi, abs=0.01)
+    assert shapes_eval.roundness(np.zeros((8, 8), bool)) == 0.0
+    one = np.zeros((8, 8), bool)
+    one[3, 3] = True
+    assert shapes_eval.roundness(one) == 0.0
+    reading, mask = shapes_eval.analyse(_drawn(_rounded_diamond))
+    assert reading.shape == "circle" and reading.roundness == pytest.approx(0.8, abs=0.03)
+    assert reading.roundness == shapes_eval.roundness(mask)
+    world = read(Scene("circle", "red", "blue").render(64))
+    assert world.roundness == pytest.approx(1.0, abs=0.02)
+
+
+def test_strict_judgement_accepts_every_world_picture():
+    rng = np.random.default_rng(7)
+    scenes = [Scene.random(rng) for _ in range(1500)]
+    for size in (64, 128):
+        wrong = [(s, r) for s in scenes[:1500 if size == 64 else 150]
+                 if (r := read(s.render(size))).strict_attributes() != s.attributes()]
+        assert not wrong, wrong[:3]
+    lowest = {shape: min(r.roundness if shape == "circle" else r.iou for r in (read(s.render(64)) for s in scenes)
+                         if r.shape == shape) for shape in shapes.SHAPES}
+    margin = {"circle": lowest["circle"] - shapes_eval.MIN_ROUNDNESS,
+              **{k: lowest[k] - v for k, v in shapes_eval.STRICT_IOU.items()}}
+    assert all(m >= 0.025 for m in margin.values()), margin  # measured: 0.028, 0.046, 0.030
+
+
+@pytest.mark.parametrize("name, inside, nearest", [
+    ("rounded diamond", _rounded_diamond, "circle"),
+    ("superellipse |x|^1.5 + |y|^1.5", lambda x, y: np.abs(x / 0.25) ** 1.5 + np.abs(y / 0.25) ** 1.5 <= 1, "circle"),
+    ("pinched square", lambda x, y: (np.abs(x) <= 0.25 * (0.9 + 0.1 * (y / 0.25) ** 2))
+     & (np.abs(y) <= 0.25 * (0.9 + 0.1 * (x / 0.25) ** 2)), "square"),
+    ("triangle, apex cut at a fifth", lambda x, y: (np.abs(x) <= (y + 0.3) / 2) & (y + 0.3 >= 0.12) & (y <= 0.3),
+     "triangle"),
+    ("triangle, sides bowed in", lambda x, y: (np.abs(x) <= (y + 0.3) / 2 * (1 - 0.8 * (y + 0.3) / 0.6
+                                                                             * (0.3 - y) / 0.6)) & (y <= 0.3), "triangle"),
+])
+def test_strict_judgement_rejects_misdrawn_shapes(name, inside, nearest):
+    """The nearest template reads each as a shape of the world; the strict judgement does not."""
+    reading = read(_drawn(inside))
+    assert reading.attributes() == (nearest, "red", "blue"), reading
+    assert reading.strict_shape is None and reading.strict_attributes() == (None, "red", "blue"), reading
+
+
 def test_reading_gives_back_its_scene():
     s = Scene("triangle", "green", "black", centre=(0.46, 0.53), scale=0.24)
     back = read(s.render(64)).scene()
@@ -244,8 +308,27 @@ def test_text_to_image_harness_scores_the_generator_perfectly():
     assert len(seen) == 1 and len(seen[0][0]) == 336 and sorted(set(seen[0][1])) == [0, 5]
     assert len(set(zip(*seen[0]))) == 336  # every prompt once per seed
     assert report.count == 336
+    assert report.accuracy == report.strict == {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}
+    assert report.failures() == report.failures(strict=True) == []
+    assert len(report.circle_roundness()) == 112 and min(report.circle_roundness()) >= shapes_eval.MIN_ROUNDNESS
+
+
+def test_text_to_image_harness_judges_shapes_strictly():
+    """A model that draws its circles as rounded diamonds: right as read, wrong under the strict judgement."""
+    def diamonds(prompts, seeds):
+        out = _render_prompts(prompts, seeds)
+        for img, p in zip(out, prompts):
+            shape, colour, background = shapes.parse_prompt(p)
+            if shape == "circle":
+                img[...] = _drawn(_rounded_diamond, colour=colour, background=background)
+        return out
+
+    report = shapes_eval.evaluate_text_to_image(diamonds, seeds=[0])
     assert report.accuracy == {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}
-    assert report.failures() == []
+    assert report.strict == {"shape": pytest.approx(2 / 3), "colour": 1.0, "background": 1.0, "all": pytest.approx(2 / 3)}
+    assert {i.expected[0] for i in report.failures(strict=True)} == {"circle"} and report.failures() == []
+    summary = shapes_eval.roundness_summary([report])
+    assert summary["count"] == 56 and summary["passed"] == 0.0 and summary["median"] == pytest.approx(0.8, abs=0.03)
 
 
 def test_text_to_image_harness_catches_a_wrong_model():
@@ -289,6 +372,7 @@ def test_reconstruction_harness():
     assert len(seen) == 1 and seen[0].shape == (336, 48, 48, 3) and seen[0].dtype == np.uint8
     assert len({im.tobytes() for im in seen[0]}) == 336  # positions and sizes differ by seed too
     assert report.count == 336 and report.accuracy == {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}
+    assert report.strict == report.accuracy  # 48x48: the world's triangles fit their template at 0.915 or better
     again = shapes_eval.evaluate_reconstruction(identity, seeds=[0], size=48)
     assert again.count == 168 and np.array_equal(seen[-1], seen[0][:168])  # fixed by the seed
 
@@ -325,6 +409,7 @@ def test_edit_harness():
     for kind, r in reports.items():
         assert r.count == 336
         assert (r.accuracy["edited"], r.accuracy["kept"], r.accuracy["all"]) == (1.0, 1.0, 1.0), kind
+        assert r.strict == {"edited": 1.0, "kept": 1.0, "all": 1.0}, kind
         assert r.accuracy["iou"] > 0.9, (kind, r.accuracy)
         assert all(shapes.parse_instruction(i.text)[0] == kind for i in r.items)
 
@@ -587,11 +672,19 @@ def test_eval_cli_runs_the_pipelines(tmp_path, monkeypatch, capsys):
     lines = printed.splitlines()
     assert lines[0].split() == ["text-to-image", "images", "shape", "colour", "background", "all"]
     assert lines[1].split() == ["336", "1.000", "1.000", "1.000", "1.000"]
-    assert [line.split()[:3] for line in lines[4:]] == [[k, "336", "1.000"] for k in EDIT_KINDS]
+    assert lines[2].split() == ["strict", "1.000", "1.000", "1.000", "1.000"]
+    assert lines[3].split()[:3] == ["circles'", "roundness:", "median"] and "1.000 of 112 at least 0.95" in lines[3]
+    assert [line.split()[:3] for line in lines[6:12:2]] == [[k, "336", "1.000"] for k in EDIT_KINDS]
+    assert [line.split() for line in lines[7:13:2]] == [["strict", "1.000", "1.000", "1.000"]] * 3
+    assert lines[12].split()[:2] == ["circles'", "roundness:"] and "; 1.000 of" in lines[12]  # every edit to a circle
     acc = json.loads(report.read_text())
-    assert acc["text_to_image"] == {"count": 336, "shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}
+    assert {k: v for k, v in acc["text_to_image"].items() if k != "circle_roundness"} == {
+        "count": 336, "shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0,
+        "strict": {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}}
+    assert acc["text_to_image"]["circle_roundness"]["count"] == 112
+    assert acc["text_to_image"]["circle_roundness"]["passed"] == 1.0
     for kind in EDIT_KINDS:
-        assert acc["edits"][kind]["count"] == 336 and acc["edits"][kind]["all"] == 1.0
+        assert acc["edits"][kind]["count"] == 336 and acc["edits"][kind]["all"] == acc["edits"][kind]["strict"]["all"] == 1.0
 
 
 def test_eval_cli_measures_a_models_vae(tmp_path, demo_models, capsys):
