@@ -6,9 +6,11 @@ Two servers run one after the other in this run, on the same model and cache: `-
 (one request at a time, as AUTOMATIC1111, ComfyUI and Forge serve). For each number of clients, every client sends
 `--requests` txt2img calls one after the other (prompts and seeds of its own, one image each, the same size and
 steps for all, so they can share a compiled program); printed per server: images/s over the whole load, and the
-p50 and p95 of a request's latency; then the batching server's time over the one-at-a-time one's (below 1: batching is
-faster). Each server first answers one untimed round per number of clients (the compiles of the batch sizes
-that load meets).
+p50 and p95 of a request's latency, and the batch sizes of the calls that made the images (info's sdx_call_batch:
+`8:16` is 16 images made in calls of 8); then the batching server's time over the one-at-a-time one's (below 1:
+batching is faster). Before the timed loads each server answers, untimed, one request of `batch_size` b for each
+batch size b its calls can run at (1, 2, 4, ... up to --max-batch: the server's buckets), so that no load meets a
+compile.
 
 Also printed: a lone request through the server (its p50 at one client) against `python -m sdx.sample`'s own
 sampling time for the same job (the "N image(s) in S s sampling" it prints, its second run in the same cache).
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import base64
+import collections
+import json
 import re
 import statistics
 import subprocess
@@ -56,31 +60,33 @@ class Served:
             sys.exit(f"{name} did not start: {line!r}")
         self.url = found.group(0)
 
-    def txt2img(self, body: dict) -> float:
-        """Seconds for one call, which must answer with its images."""
+    def txt2img(self, body: dict) -> tuple[float, int | None]:
+        """(seconds, the batch size of the call that made the image: info's sdx_call_batch, None from a server
+        without it) for one call, which must answer with its images."""
         t0 = time.perf_counter()
         r = requests.post(self.url + "/sdapi/v1/txt2img", json=body, timeout=3600)
         seconds = time.perf_counter() - t0
         if r.status_code != 200 or not r.json()["images"]:
             sys.exit(f"{self.name}: {r.status_code} {r.text[:500]}")
         base64.b64decode(r.json()["images"][0])
-        return seconds
+        return seconds, json.loads(r.json()["info"]).get("sdx_call_batch")
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(600)
 
 
-def load(server: Served, clients: int, requests_each: int, body: dict) -> tuple[float, list[float]]:
-    """(images/s, latencies) of `clients` clients each sending `requests_each` calls one after the other."""
-    def client(k: int) -> list[float]:
+def load(server: Served, clients: int, requests_each: int, body: dict) -> tuple[float, list[float], list]:
+    """(images/s, latencies, call batch sizes) of `clients` clients each sending `requests_each` calls one after
+    the other."""
+    def client(k: int) -> list[tuple[float, int | None]]:
         return [server.txt2img({**body, "prompt": PROMPTS[(k + i) % len(PROMPTS)], "seed": 1000 * k + i})
                 for i in range(requests_each)]
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        latencies = [s for each in pool.map(client, range(clients)) for s in each]
-    return len(latencies) / (time.perf_counter() - t0), latencies
+        answers = [a for each in pool.map(client, range(clients)) for a in each]
+    return len(answers) / (time.perf_counter() - t0), [s for s, _ in answers], [b for _, b in answers]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -112,6 +118,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
     p.add_argument("--requests", type=int, default=2, help="calls each client makes, one after the other")
     p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--batch-wait-ms", type=float, help="the batching server's gathering window (default: its own)")
     p.add_argument("--cache", help="the sdx cache both servers and the command share (default: a new folder)")
     p.add_argument("--diffusers", action="store_true", help="with --preset: also serve it through diffusers, one "
                                                                  "request at a time")
@@ -125,26 +132,34 @@ def main() -> None:
             "negative_prompt": ""}
     serve = [sys.executable, "-m", "sdx.serve", "--model", args.model, "--dtype", args.dtype, "--port", "0",
              "--cache", cache, "--queue-size", str(4 * max(args.clients))]
-    servers = [(f"sdx --max-batch {args.max_batch}", serve + ["--max-batch", str(args.max_batch)]),
+    wait = [] if args.batch_wait_ms is None else ["--batch-wait-ms", str(args.batch_wait_ms)]
+    servers = [(f"sdx --max-batch {args.max_batch}", serve + ["--max-batch", str(args.max_batch)] + wait),
                ("sdx --max-batch 1", serve + ["--max-batch", "1"])]
     if args.diffusers:
         servers.append(("diffusers, one at a time", [sys.executable, "benchmarks/serve_diffusers.py", args.model,
                                                      "--dtype", args.dtype, "--port", "0"]))
     results = {}
-    for name, command in servers:
+    for (name, command), top in zip(servers, (args.max_batch, 1, 1)):
         server = Served(command, name)
         try:
-            for c in sorted(set(args.clients)):  # untimed: the compiles of the batch sizes the load meets
-                load(server, c, 1, body)
+            size = 1
+            while True:  # untimed: every batch size a call of the load may run at, compiled
+                server.txt2img({**body, "prompt": PROMPTS[0], "seed": 0, "batch_size": min(size, top)})
+                if size >= top:
+                    break
+                size *= 2
             results[name] = {c: load(server, c, args.requests, body) for c in args.clients}
         finally:
             server.stop()
     print(f"{args.preset or args.model}, {args.size}x{args.size}, {args.steps} Euler steps, {args.dtype}, {args.requests} "
           "requests a client, one image each")
-    print(f"{'server':<28} {'clients':>7} {'images/s':>9} {'p50 s':>8} {'p95 s':>8}")
+    print(f"{'server':<28} {'clients':>7} {'images/s':>9} {'p50 s':>8} {'p95 s':>8}  calls' batch sizes")
     for name, by_clients in results.items():
-        for c, (rate, latencies) in by_clients.items():
-            print(f"{name:<28} {c:>7} {rate:>9.3f} {percentile(latencies, 50):>8.3f} {percentile(latencies, 95):>8.3f}")
+        for c, (rate, latencies, batches) in by_clients.items():
+            sizes = " ".join(f"{b}:{n}" for b, n in sorted(collections.Counter(batches).items())) \
+                if None not in batches else "-"
+            print(f"{name:<28} {c:>7} {rate:>9.3f} {percentile(latencies, 50):>8.3f} {percentile(latencies, 95):>8.3f}"
+                  f"  {sizes}")
     batched, single = (results[name] for name, _ in servers[:2])
     for c in args.clients:
         print(f"{c} clients: --max-batch {args.max_batch} takes {single[c][0] / batched[c][0]:.2f}x the time of "
