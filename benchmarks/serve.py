@@ -42,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.sample import build_diffusers_folder  # noqa: E402
+from serve.batcher import buckets  # noqa: E402
 
 PROMPTS = ("a red circle on a blue background", "a yellow triangle on a purple background",
            "a white square on a black background", "a green circle on an orange background")
@@ -142,12 +143,8 @@ def main() -> None:
     for (name, command), top in zip(servers, (args.max_batch, 1, 1)):
         server = Served(command, name)
         try:
-            size = 1
-            while True:  # untimed: every batch size a call of the load may run at, compiled
-                server.txt2img({**body, "prompt": PROMPTS[0], "seed": 0, "batch_size": min(size, top)})
-                if size >= top:
-                    break
-                size *= 2
+            for size in buckets(top, devices=1):  # untimed: every batch size a call of the load may run at, compiled
+                server.txt2img({**body, "prompt": PROMPTS[0], "seed": 0, "batch_size": size})
             results[name] = {c: load(server, c, args.requests, body) for c in args.clients}
         finally:
             server.stop()
