@@ -179,6 +179,12 @@ def test_shapes_preset_fits_the_size_budget():
     assert sum(sizes.values()) + sizes["unet"] < 25e6, sizes
 
 
+def test_shipped_models_fit_the_size_budget():
+    """What the package carries (the edit model may keep a VAE of its own) stays under 25 MB."""
+    size = sum(f.stat().st_size for f in default_models.SHIPPED.rglob("*") if f.is_file())
+    assert size < 25e6, size
+
+
 # The shipped models on a seeded sample of their world, read by train.shapes_eval's fixed analysis; the
 # floors sit below what was measured (docs/default-models.md) with room for float differences between machines, far
 # above chance (shape 1/3, colour 1/8, background 1/7), so a broken model, loader or sampler fails here.
