@@ -116,6 +116,11 @@ def pack(t2i: Path, edit: Path, out: Path = SHIPPED) -> Path:
     return out
 
 
+def packed_size(out: Path = SHIPPED) -> int:
+    """Bytes of every file in the compact form under `out` (what the package carries)."""
+    return sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+
+
 def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m convert.default_models", description="pack the trained default models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
@@ -127,8 +132,7 @@ def main(argv=None) -> int:
     def body():
         args = p.parse_args(argv)
         out = pack(Path(args.t2i), Path(args.edit), Path(args.out))
-        size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-        print(f"wrote {out} ({size / 1e6:.1f} MB)", file=sys.stderr)
+        print(f"wrote {out} ({packed_size(out) / 1e6:.1f} MB)", file=sys.stderr)
 
     return run_command(body)
 
