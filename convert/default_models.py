@@ -13,7 +13,10 @@ vocabulary (`sdx.tokenizer.write_builtin_folder`), whose pad tokens NAME/pack.js
 assembles a complete sdx folder in the cache on first use; `pack` writes the compact form from two
 trained sdx folders (the last step of the recipe):
 
-    python -m convert.default_models pack T2I_FOLDER EDIT_FOLDER [--out sdx/assets/models]
+    python -m convert.default_models pack T2I_FOLDER EDIT_FOLDER [--guidance-scale G] [--out sdx/assets/models]
+
+--guidance-scale writes the text-to-image model's own guidance scale into its sdx.json (`Family.guidance_scale`:
+what a request that names none gets; measured in docs/default-models.md).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import sdx
+from pipelines.family import GUIDANCE_KEY
 from sdx import io, model_folder
 from sdx.errors import ArgumentParser, SdxError, run_command
 from sdx.tokenizer import write_builtin_folder
@@ -48,7 +52,7 @@ def warn_other_size(name: str, sizes: set[tuple[int, int]], trained: int) -> Non
 
 def _fingerprint(packed: Path, base: Path) -> str:
     """A short hash of every file the assembled model is made of (its own and the shared ones in `base`),
-    so that new weights, even of the same size, get a new cache folder (21 MB: about 0.1 s)."""
+    so that new weights, even of the same size, get a new cache folder (23 MB: about 0.1 s)."""
     h = hashlib.sha256()
     for path in sorted({p for d in (packed, base) for p in d.iterdir() if p.is_file()}):
         h.update(f"{path.parent.name}/{path.name}\0".encode() + path.read_bytes())
@@ -93,8 +97,9 @@ def _pad_tokens(src: Path, spec: dict) -> dict[str, str]:
     return pads
 
 
-def pack(t2i: Path, edit: Path, out: Path = SHIPPED) -> Path:
-    """Write the compact form of the two trained sdx folders under `out` (float16; shared files once)."""
+def pack(t2i: Path, edit: Path, out: Path = SHIPPED, *, guidance_scale: float | None = None) -> Path:
+    """Write the compact form of the two trained sdx folders under `out` (float16; shared files once), the
+    text-to-image model's spec naming `guidance_scale` as its own where given."""
     staging = out.parent / f".{out.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     for name, src in zip(NAMES, (t2i, edit)):
@@ -110,7 +115,9 @@ def pack(t2i: Path, edit: Path, out: Path = SHIPPED) -> Path:
                     (base / entry["file"]).read_bytes() == (full / entry["file"]).read_bytes()
                 if "file" in entry and not shared:
                     shutil.copyfile(full / entry["file"], tmp / name / entry["file"])
-            shutil.copyfile(full / model_folder.SPEC_FILE, tmp / name / model_folder.SPEC_FILE)
+            if name == BASE and guidance_scale is not None:
+                spec["extra"][GUIDANCE_KEY] = guidance_scale
+            io.atomic_write_json(tmp / name / model_folder.SPEC_FILE, spec)
             io.atomic_write_json(tmp / name / PACK_FILE, {"tokenizers": _pad_tokens(full, spec), "shared_from": BASE})
     shutil.rmtree(staging)
     return out
@@ -128,10 +135,11 @@ def main(argv=None) -> int:
     s.add_argument("t2i", help="the text-to-image sdx folder")
     s.add_argument("edit", help="the InstructPix2Pix sdx folder")
     s.add_argument("--out", default=str(SHIPPED), help=f"where to write (default {SHIPPED})")
+    s.add_argument("--guidance-scale", type=float, help="the text-to-image model's own guidance scale (default: none)")
 
     def body():
         args = p.parse_args(argv)
-        out = pack(Path(args.t2i), Path(args.edit), Path(args.out))
+        out = pack(Path(args.t2i), Path(args.edit), Path(args.out), guidance_scale=args.guidance_scale)
         print(f"wrote {out} ({packed_size(out) / 1e6:.1f} MB)", file=sys.stderr)
 
     return run_command(body)

@@ -25,6 +25,8 @@ _KNOWN = {  # pipeline class -> (xl, pix2pix, inpaint)
     "StableDiffusionXLInpaintPipeline": (True, False, True),
 }
 
+GUIDANCE_KEY = "default_guidance_scale"  # model_index.json / sdx.json "extra": the model's own guidance scale
+
 # Each encoder reads its own tokenizer; SDXL's encoder i reads prompt i (prompt, prompt_2).
 TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 
@@ -40,7 +42,9 @@ class Family:
     scaled_image_latents: the pix2pix image latents are multiplied by the VAE's scaling factor (CosXL
     edit models, `is_cosxl_edit` in model_index.json); guidance_embedded: the UNet takes the guidance scale as
     an embedding (an LCM UNet's time_cond_proj_dim), so no classifier-free guidance branch runs, as in diffusers'
-    pipelines (set by `Pipeline.from_models` from the UNet's config)."""
+    pipelines (set by `Pipeline.from_models` from the UNet's config); model_guidance_scale: the classifier-free
+    guidance the model was made to be sampled at (`default_guidance_scale` in model_index.json, an sdx key that
+    diffusers ignores; the default models carry one), None for diffusers' pipelines' defaults."""
 
     xl: bool
     pix2pix: bool
@@ -50,6 +54,15 @@ class Family:
     scaled_image_latents: bool = False
     inpaint: bool = False
     guidance_embedded: bool = False
+    model_guidance_scale: float | None = None
+
+    @property
+    def guidance_scale(self) -> float:
+        """What a request that leaves guidance_scale open gets: the model's own, else diffusers' pipelines'
+        default (5.0 for SDXL, 7.5 otherwise)."""
+        if self.model_guidance_scale is not None:
+            return self.model_guidance_scale
+        return 5.0 if self.xl else 7.5
 
     @property
     def name(self) -> str:
@@ -64,6 +77,9 @@ def family_of(pipeline_class: str, models: set[str] | dict, extra: dict) -> Fami
     encoders = tuple(e for e in ("text_encoder", "text_encoder_2") if e in models)
     if not encoders:
         raise SdxError(f"{pipeline_class}: the model has no text encoder")
+    guidance = extra.get(GUIDANCE_KEY)
+    if guidance is not None and (isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or guidance < 0):
+        raise SdxError(f"{pipeline_class}: {GUIDANCE_KEY} in the model's index must be a number ≥ 0, not {guidance!r}")
     return Family(
         xl=xl,
         pix2pix=pix2pix,
@@ -72,4 +88,5 @@ def family_of(pipeline_class: str, models: set[str] | dict, extra: dict) -> Fami
         force_zeros=bool(extra.get("force_zeros_for_empty_prompt", False)) if xl else False,
         scaled_image_latents=bool(extra.get("is_cosxl_edit", False)),
         inpaint=inpaint,
+        model_guidance_scale=None if guidance is None else float(guidance),
     )

@@ -224,7 +224,7 @@ class Pipeline:
     def complete(self, request: Request) -> Request:
         """`request` with what it leaves open (None) chosen as `python -m sdx.sample` chooses it for this model:
         the size of its image, else of its first control or adapter image (`Input.size`), else of its latents,
-        else the model's training size (`default_size`); guidance_scale 5.0 for SDXL, else 7.5; strength, as
+        else the model's training size (`default_size`); guidance_scale the model's (`Family.guidance_scale`); strength, as
         diffusers' pipelines: inpainting 0.9999 for SDXL, else 1.0; otherwise 0.3 for SDXL without ControlNets,
         else 0.8."""
         r, xl = request, self.family.xl
@@ -233,7 +233,7 @@ class Pipeline:
             r = dataclasses.replace(r, height=height if r.height is None else r.height,
                                     width=width if r.width is None else r.width)
         if r.guidance_scale is None:
-            r = dataclasses.replace(r, guidance_scale=5.0 if xl else 7.5)
+            r = dataclasses.replace(r, guidance_scale=self.family.guidance_scale)
         if r.strength is None:
             inpaint = r.mask is not None
             controlled = any(one.kind == Control.kind for one in r.conditioning)

@@ -49,7 +49,7 @@ class Request:
     num_images_per_prompt: int = 1
     batch_size: int | None = None
     seed: int = 0
-    guidance_scale: float | None = None  # None: 5.0 for SDXL, else 7.5
+    guidance_scale: float | None = None  # None: the model's own (`Family.guidance_scale`)
     image_guidance_scale: float = 1.5
     guidance_rescale: float = 0.0
     strength: float | None = None  # None: diffusers' default for the pipeline (`Pipeline.complete`)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pipelines.family import family_of
 from train import shapes, shapes_eval
 from train.shapes import COLOURS, EDIT_KINDS, PALETTE, Scene
 from train.shapes_eval import read
@@ -327,6 +328,7 @@ def test_text_to_image_harness_judges_shapes_strictly():
     assert report.accuracy == {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}
     assert report.strict == {"shape": pytest.approx(2 / 3), "colour": 1.0, "background": 1.0, "all": pytest.approx(2 / 3)}
     assert {i.expected[0] for i in report.failures(strict=True)} == {"circle"} and report.failures() == []
+    assert report.strict_by_shape() == {"circle": 0.0, "square": 1.0, "triangle": 1.0}
     summary = shapes_eval.roundness_summary([report])
     assert summary["count"] == 56 and summary["passed"] == 0.0 and summary["median"] == pytest.approx(0.8, abs=0.03)
 
@@ -632,7 +634,8 @@ class _FakePipe:
     """Stands in for a loaded Pipeline: draws (or edits) with the generator, in [0, 1] like the real one."""
 
     def __init__(self, pix2pix):
-        self.family = types.SimpleNamespace(pix2pix=pix2pix, xl=True)
+        pipeline_class = "StableDiffusionXLInstructPix2PixPipeline" if pix2pix else "StableDiffusionXLPipeline"
+        self.family = family_of(pipeline_class, {"text_encoder", "text_encoder_2"}, {})
         self.default_size = 48
         self.requests = []
 
@@ -680,7 +683,8 @@ def test_eval_cli_runs_the_pipelines(tmp_path, monkeypatch, capsys):
     acc = json.loads(report.read_text())
     assert {k: v for k, v in acc["text_to_image"].items() if k != "circle_roundness"} == {
         "count": 336, "shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0,
-        "strict": {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0}}
+        "strict": {"shape": 1.0, "colour": 1.0, "background": 1.0, "all": 1.0},
+        "strict_by_shape": {"circle": 1.0, "square": 1.0, "triangle": 1.0}}
     assert acc["text_to_image"]["circle_roundness"]["count"] == 112
     assert acc["text_to_image"]["circle_roundness"]["passed"] == 1.0
     for kind in EDIT_KINDS:

@@ -217,7 +217,7 @@ class DiffusionTask:
         inputs = {"prompts": list(cfg.validation_prompt), **self.validation_inputs()}
         request = Request(height=size, width=size, steps=cfg.validation_inference_steps,
                           num_images_per_prompt=cfg.num_validation_images, seed=cfg.seed,
-                          guidance_scale=5.0 if m.family.xl else 7.5, **inputs)
+                          guidance_scale=m.family.guidance_scale, **inputs)
         try:
             images = pipe(request)
         except NonFiniteImages as e:  # a diverging model: say so, log the rest (the bad ones black)

@@ -14,7 +14,8 @@ It is the text-to-image task (`train.diffusion`) on this data (`train.dreambooth
 trains and the run writes an sdx folder, or with `--rank` (`python -m train.dreambooth_lora`) LoRA
 adapters train and it writes `pytorch_lora_weights.safetensors`; `--train_text_encoder` adapts the text
 encoders too. The class images are sampled by the pipeline the validations use (the model as loaded for
-training; 50 steps, guidance 7.5, or 5.0 for SDXL, as diffusers' pipeline defaults).
+training; 50 steps, at the model's own guidance: 7.5, or 5.0 for SDXL, as diffusers' pipeline defaults, unless
+the model names its own).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class DreamBoothTask(diffusion.DiffusionTask):
         pipe = self.pipeline(self.module, f"{cfg.pretrained_model_name_or_path} (class images)")
         request = Request(prompts=[cfg.class_prompt], height=cfg.resolution, width=cfg.resolution,
                           steps=CLASS_SAMPLING_STEPS, num_images_per_prompt=count, batch_size=cfg.sample_batch_size,
-                          seed=seed, guidance_scale=5.0 if self.models.family.xl else 7.5)
+                          seed=seed, guidance_scale=self.models.family.guidance_scale)
         return (pipe(request) * 255).round().astype(np.uint8)
 
 

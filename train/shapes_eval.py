@@ -223,6 +223,11 @@ class Report:
         """The `roundness` of every picture meant to show a circle."""
         return [i.read.roundness for i in self.items if i.expected[0] == "circle"]
 
+    def strict_by_shape(self) -> dict[str, float]:
+        """{shape: the fraction of the pictures meant to show it that are right in all three attributes, strictly}."""
+        return {shape: _fraction(i.read.strict_attributes() == i.expected for i in self.items if i.expected[0] == shape)
+                for shape in SHAPES}
+
     def failures(self, strict: bool = False) -> list[Item]:
         """The items read wrong (strict: under the strict judgement)."""
         judge = Reading.strict_attributes if strict else Reading.attributes
@@ -392,7 +397,8 @@ def parser() -> argparse.ArgumentParser:
                                        "mode), decoded and read back")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 for every prompt and edit (default 2)")
     p.add_argument("--steps", type=int, default=30, help="inference steps (default 30)")
-    p.add_argument("--guidance-scale", type=float, help="classifier-free guidance (default 7.5, SDXL 5.0)")
+    p.add_argument("--guidance-scale", type=float,
+                   help="classifier-free guidance (default: the model's own, else 7.5, SDXL 5.0)")
     p.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix image guidance (1.5)")
     p.add_argument("--size", type=int, help="image side in pixels (default: the model's training size)")
     p.add_argument("--scheduler", help="a `python -m sdx.sample --scheduler` name (default: the model's own)")
@@ -493,7 +499,7 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
         if args.model:
             pipe = _load(args.model, args, cache, log, edit=False)
             size = args.size or pipe.default_size
-            cfg = args.guidance_scale if args.guidance_scale is not None else (5.0 if pipe.family.xl else 7.5)
+            cfg = args.guidance_scale if args.guidance_scale is not None else pipe.family.guidance_scale
 
             def generate(prompts, image_seeds):
                 request = lambda idx, s: Request(prompts=[prompts[i] for i in idx], height=size, width=size,
@@ -505,7 +511,7 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
         if args.edit_model:
             pipe = _load(args.edit_model, args, cache, log, edit=True)
             size = args.size or pipe.default_size
-            cfg = args.guidance_scale if args.guidance_scale is not None else (5.0 if pipe.family.xl else 7.5)
+            cfg = args.guidance_scale if args.guidance_scale is not None else pipe.family.guidance_scale
 
             def edit(images, instructions, image_seeds):
                 pixels = _pixels(images)
@@ -540,7 +546,8 @@ def to_json(text: Report | None, edits: dict[str, Report] | None, vae: Report | 
 
 
 def _json_report(r: Report) -> dict:
-    return {"count": r.count, **r.accuracy, "strict": r.strict, "circle_roundness": roundness_summary([r])}
+    return {"count": r.count, **r.accuracy, "strict": r.strict, "strict_by_shape": r.strict_by_shape(),
+            "circle_roundness": roundness_summary([r])}
 
 
 def main(argv: list[str] | None = None) -> int:
