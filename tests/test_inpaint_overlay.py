@@ -2,8 +2,10 @@
 
 With latent blending (an ordinary model) the kept region's latents are the input's at the end, but the VAE
 decodes the whole picture at once (its convolutions and mid-block attention see the repainted part), so the
-kept pixels move: on the default model, a red circle kept under a repainted top third shifts by about 28 8-bit
-levels on average, as in diffusers' StableDiffusionXLInpaintPipeline on the same case (docs/pipelines.md, "Inpainting").
+kept pixels move: on the default model, a red circle kept under a repainted top third shifts by 7 8-bit levels on
+average and up to 235 next to the repainted part (1.3 and 64 with --mask-blur 3); on the one shipped before it,
+whose VAE reconstructed less exactly, by about 28 on average, as in diffusers' StableDiffusionXLInpaintPipeline on
+the same case (docs/pipelines.md, "Inpainting").
 --apply-overlay pastes the input's pixels back where the (blurred) mask keeps them, as diffusers' apply_overlay
 does; the repainted region is the generation's own."""
 
@@ -47,11 +49,10 @@ def test_the_kept_region_is_the_input_exactly_and_the_repainted_one_the_generati
     kept = _inpaint(where, f"kept-{blur}", "--apply-overlay", *blur_flags)
     alpha = np.asarray(blurred(Image.fromarray(mask), blur), np.int32)  # 255 where repainted
     keep, repaint = alpha == 0, alpha == 255
-    drift = np.abs(plain[keep] - picture[keep]).mean()
-    print(f"blur {blur}: without the overlay the kept region moves {drift:.1f} mean levels "
-          f"(max {np.abs(plain[keep] - picture[keep]).max()}); with it: max "
-          f"{np.abs(kept[keep] - picture[keep]).max()} (tolerance 0)")
-    assert drift > 5  # the failure the option is for, large against the exact bound below
+    drift = np.abs(plain[keep] - picture[keep])
+    print(f"blur {blur}: without the overlay the kept region moves {drift.mean():.1f} mean levels "
+          f"(max {drift.max()}); with it: max {np.abs(kept[keep] - picture[keep]).max()} (tolerance 0)")
+    assert drift.max() > 32 and drift.mean() > 1  # the failure the option is for: a seam, against the exact bound below
     np.testing.assert_array_equal(kept[keep], picture[keep])
     np.testing.assert_array_equal(kept[repaint], plain[repaint])
     edge = ~keep & ~repaint  # the blurred edge: between the two
