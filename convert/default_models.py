@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 
 import sdx
-from pipelines.family import GUIDANCE_KEY
 from sdx import io, model_folder
 from sdx.errors import ArgumentParser, SdxError, run_command
 from sdx.tokenizer import write_builtin_folder
@@ -116,7 +115,7 @@ def pack(t2i: Path, edit: Path, out: Path = SHIPPED, *, guidance_scale: float | 
                 if "file" in entry and not shared:
                     shutil.copyfile(full / entry["file"], tmp / name / entry["file"])
             if name == BASE and guidance_scale is not None:
-                spec["extra"][GUIDANCE_KEY] = guidance_scale
+                spec["extra"][model_folder.GUIDANCE_KEY] = guidance_scale
             io.atomic_write_json(tmp / name / model_folder.SPEC_FILE, spec)
             io.atomic_write_json(tmp / name / PACK_FILE, {"tokenizers": _pad_tokens(full, spec), "shared_from": BASE})
     shutil.rmtree(staging)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from sdx.errors import SdxError
+from sdx.model_folder import GUIDANCE_KEY
 
 _KNOWN = {  # pipeline class -> (xl, pix2pix, inpaint)
     "StableDiffusionPipeline": (False, False, False),
@@ -24,8 +25,6 @@ _KNOWN = {  # pipeline class -> (xl, pix2pix, inpaint)
     "StableDiffusionXLInstructPix2PixPipeline": (True, True, False),
     "StableDiffusionXLInpaintPipeline": (True, False, True),
 }
-
-GUIDANCE_KEY = "default_guidance_scale"  # model_index.json / sdx.json "extra": the model's own guidance scale
 
 # Each encoder reads its own tokenizer; SDXL's encoder i reads prompt i (prompt, prompt_2).
 TOKENIZER_OF = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}

@@ -61,6 +61,7 @@ from sdx.layers import Compute
 FORMAT = "sdx"
 FORMAT_VERSION = 1
 SPEC_FILE = "sdx.json"
+GUIDANCE_KEY = "default_guidance_scale"  # in "extra" (model_index.json): the model's own guidance scale, an sdx key
 MODEL_CLASS = "model_class"  # a standalone model's class, in its sdx.json in place of "pipeline_class"
 
 
