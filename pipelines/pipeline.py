@@ -224,9 +224,9 @@ class Pipeline:
     def complete(self, request: Request) -> Request:
         """`request` with what it leaves open (None) chosen as `python -m sdx.sample` chooses it for this model:
         the size of its image, else of its first control or adapter image (`Input.size`), else of its latents,
-        else the model's training size (`default_size`); guidance_scale the model's (`Family.guidance_scale`); strength, as
-        diffusers' pipelines: inpainting 0.9999 for SDXL, else 1.0; otherwise 0.3 for SDXL without ControlNets,
-        else 0.8."""
+        else the model's training size (`default_size`); guidance_scale the model's (`Family.guidance_scale`);
+        strength, as diffusers' pipelines: inpainting 0.9999 for SDXL, else 1.0; otherwise 0.3 for SDXL without
+        ControlNets, else 0.8."""
         r, xl = request, self.family.xl
         if r.height is None or r.width is None:
             height, width = self._size_of(r)

@@ -14,8 +14,8 @@ It is the text-to-image task (`train.diffusion`) on this data (`train.dreambooth
 trains and the run writes an sdx folder, or with `--rank` (`python -m train.dreambooth_lora`) LoRA
 adapters train and it writes `pytorch_lora_weights.safetensors`; `--train_text_encoder` adapts the text
 encoders too. The class images are sampled by the pipeline the validations use (the model as loaded for
-training; 50 steps, at the model's own guidance: 7.5, or 5.0 for SDXL, as diffusers' pipeline defaults, unless
-the model names its own).
+training; 50 steps, at the model's own guidance, `Family.guidance_scale`: diffusers' pipeline defaults, 7.5 or 5.0
+for SDXL, unless the model names one).
 """
 
 from __future__ import annotations
