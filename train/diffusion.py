@@ -211,13 +211,13 @@ class DiffusionTask:
         return self._pipeline
 
     def validate(self, module: nnx.Module, step: int, metrics) -> None:
-        cfg, m = self.cfg, self.models
+        cfg = self.cfg
         pipe = self.pipeline(module, f"{cfg.output_dir}@{step}")
         size = cfg.resolution
         inputs = {"prompts": list(cfg.validation_prompt), **self.validation_inputs()}
+        # guidance left open: the model's own (`Pipeline.complete`)
         request = Request(height=size, width=size, steps=cfg.validation_inference_steps,
-                          num_images_per_prompt=cfg.num_validation_images, seed=cfg.seed,
-                          guidance_scale=m.family.guidance_scale, **inputs)
+                          num_images_per_prompt=cfg.num_validation_images, seed=cfg.seed, **inputs)
         try:
             images = pipe(request)
         except NonFiniteImages as e:  # a diverging model: say so, log the rest (the bad ones black)

@@ -62,7 +62,7 @@ class DreamBoothTask(diffusion.DiffusionTask):
         pipe = self.pipeline(self.module, f"{cfg.pretrained_model_name_or_path} (class images)")
         request = Request(prompts=[cfg.class_prompt], height=cfg.resolution, width=cfg.resolution,
                           steps=CLASS_SAMPLING_STEPS, num_images_per_prompt=count, batch_size=cfg.sample_batch_size,
-                          seed=seed, guidance_scale=self.models.family.guidance_scale)
+                          seed=seed)  # guidance: the model's own (`Pipeline.complete`)
         return (pipe(request) * 255).round().astype(np.uint8)
 
 
