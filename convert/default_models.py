@@ -127,7 +127,7 @@ def packed_size(out: Path = SHIPPED) -> int:
     return sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
 
 
-def main(argv=None) -> int:
+def parser() -> ArgumentParser:
     p = ArgumentParser(prog="python -m convert.default_models", description="pack the trained default models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=ArgumentParser)
     s = sub.add_parser("pack", help="write sdx/assets/models from the trained text-to-image and edit folders")
@@ -135,6 +135,11 @@ def main(argv=None) -> int:
     s.add_argument("edit", help="the InstructPix2Pix sdx folder")
     s.add_argument("--out", default=str(SHIPPED), help=f"where to write (default {SHIPPED})")
     s.add_argument("--guidance-scale", type=float, help="the text-to-image model's own guidance scale (default: none)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
 
     def body():
         args = p.parse_args(argv)

@@ -50,7 +50,7 @@ def _result(page, count: int) -> tuple[np.ndarray, str]:
 
 
 def test_the_page_generates_the_apis_image(server, page):
-    assert page.input_value("#width") == "64" and page.input_value("#cfg") == "2.5"  # the default model's own
+    assert page.input_value("#width") == "64" and page.input_value("#cfg") == "2"  # the default model's own
     _fill(page, prompt="a red circle on a blue background", negative="", steps=4, seed=11, batch=2)
     page.select_option("#sampler", "Euler a")
     page.click("#generate")
@@ -59,11 +59,11 @@ def test_the_page_generates_the_apis_image(server, page):
     assert "Seed: 12," in page.inner_text("#results figure:nth-child(2) pre")  # the request's images in order
     assert page.inner_text("#error") == "" and page.eval_on_selector("#progress", "e => e.style.width") == "100%"
     body = {"prompt": "a red circle on a blue background", "negative_prompt": "", "steps": 4, "seed": 11,
-            "width": 64, "height": 64, "sampler_name": "Euler a", "cfg_scale": 2.5, "batch_size": 2}
+            "width": 64, "height": 64, "sampler_name": "Euler a", "cfg_scale": 2.0, "batch_size": 2}
     r = server.post("/sdapi/v1/txt2img", body)
     assert r.status_code == 200, r.text
     np.testing.assert_array_equal(shown, pixels(r.json()["images"][0]))
-    assert text.startswith("a red circle on a blue background\nSteps: 4, Sampler: Euler a, CFG scale: 2.5, Seed: 11")
+    assert text.startswith("a red circle on a blue background\nSteps: 4, Sampler: Euler a, CFG scale: 2.0, Seed: 11")
 
 
 def test_a_dropped_image_is_the_start_of_img2img(server, page):
@@ -81,7 +81,7 @@ def test_a_dropped_image_is_the_start_of_img2img(server, page):
     shown, text = _result(page, 3)
     assert "Denoising strength: 0.6" in text
     body = {"prompt": "a red circle on a yellow background", "negative_prompt": "", "steps": 5, "seed": 3,
-            "width": 64, "height": 64, "sampler_name": "Euler a", "cfg_scale": 2.5, "denoising_strength": 0.6,
+            "width": 64, "height": 64, "sampler_name": "Euler a", "cfg_scale": 2.0, "denoising_strength": 0.6,
             "init_images": [b64_png(circle)]}
     r = server.post("/sdapi/v1/img2img", body)
     assert r.status_code == 200, r.text

@@ -1,0 +1,88 @@
+"""`train/recipe.sh`, the default models' recipe, run dry: its python is a stand-in that records each command, which
+is then parsed by the parser of the module it names (a renamed or mistyped flag fails here, not hours into a run),
+and a work folder with finished and interrupted stages shows which stages it skips and which it resumes."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from convert import default_models
+from train import config as configlib
+from train import init, shapes, shapes_eval
+
+REPO = Path(__file__).resolve().parents[1]
+TRAINERS = {"train.vae": "vae", "train.text_to_image": "text_to_image", "train.pix2pix": "pix2pix"}
+PARSERS = {"train.shapes": shapes.parser, "train.init": init.parser, "train.shapes_eval": shapes_eval.parser,
+           "convert.default_models": default_models.parser}
+SEP = "\x1f"  # between the arguments of one recorded command
+
+
+def dry_run(tmp_path: Path, work: Path, **env) -> list[list[str]]:
+    """The commands the recipe runs in `work` (each: python's arguments after `python`), in order."""
+    log = tmp_path / "commands.log"
+    log.unlink(missing_ok=True)
+    shim = tmp_path / "python"
+    shim.write_text(f'#!/usr/bin/env bash\n(IFS=$\'{SEP}\'; printf \'%s\\n\' "$*") >> "{log}"\n')
+    shim.chmod(shim.stat().st_mode | stat.S_IEXEC)
+    done = subprocess.run(["bash", str(REPO / "train" / "recipe.sh"), str(work)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": str(shim), **env}, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [line.split(SEP) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def parse(command: list[str]):
+    """The parsed arguments of one recorded `-m MODULE ARGS...` command, by MODULE's own parser."""
+    assert command[0] == "-m", command
+    module, argv = command[1], command[2:]
+    if module in TRAINERS:
+        return configlib.parse(TRAINERS[module], argv)
+    return PARSERS[module]().parse_args(argv)
+
+
+def test_every_command_of_the_recipe_parses_in_order(tmp_path):
+    work = tmp_path / "work"
+    commands = dry_run(tmp_path, work)
+    assert [c[1] for c in commands] == [
+        "train.shapes", "train.shapes", "train.vae", "train.vae", "train.init", "train.text_to_image",
+        "train.text_to_image", "train.pix2pix", "convert.default_models", "train.shapes_eval"]
+    parsed = [parse(c) for c in commands]
+    vae_1, vae, first, second, edit, pack = parsed[2], parsed[3], parsed[5], parsed[6], parsed[7], parsed[8]
+    # the VAE's second part resumes from the first part's last checkpoint and steps its rate down after it
+    assert vae.resume_from_checkpoint == f"{work}/vae-1/checkpoints/{vae_1.max_train_steps}"
+    assert vae.max_train_steps == vae_1.max_train_steps + 1500 and vae.lr_step_rules.startswith("1:5000,0.3:5500,")
+    assert parsed[4].vae == f"{work}/vae"
+    # the second text-to-image pass starts from the first, at half its rate with another seed; the edit model is
+    # fine-tuned from the first pass; pack takes the second pass and the edit model
+    assert (first.pretrained_model_name_or_path, first.output_dir) == (f"{work}/init", f"{work}/t2i")
+    assert (second.pretrained_model_name_or_path, second.output_dir) == (f"{work}/t2i", f"{work}/t2i-2")
+    assert second.learning_rate == first.learning_rate / 2 and second.seed != first.seed
+    assert edit.pretrained_model_name_or_path == f"{work}/t2i" and edit.snr_gamma is None
+    assert (pack.command, pack.t2i, pack.edit, pack.guidance_scale) == ("pack", f"{work}/t2i-2", f"{work}/edit", 2.0)
+    assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit))
+
+
+def test_a_rerun_skips_finished_stages_and_resumes_the_interrupted_one(tmp_path):
+    work = tmp_path / "work"
+    for folder in ("captions", "edits", "vae/checkpoints", "t2i-2/checkpoints"):
+        (work / folder).mkdir(parents=True)
+    for done in ("vae-1/config.json", "vae/config.json", "init/sdx.json", "t2i/sdx.json"):
+        (work / done).parent.mkdir(parents=True, exist_ok=True)
+        (work / done).write_text("{}")
+    commands = dry_run(tmp_path, work, T2I_MORE_STEPS="300")
+    assert [c[1] for c in commands] == ["train.text_to_image", "train.pix2pix", "convert.default_models",
+                                        "train.shapes_eval"]
+    second = parse(commands[0])
+    assert (second.output_dir, second.resume_from_checkpoint, second.max_train_steps) == (f"{work}/t2i-2", "latest", 300)
+    assert parse(commands[1]).resume_from_checkpoint is None
+
+
+@pytest.mark.parametrize("module", sorted({**PARSERS, **TRAINERS}))
+def test_a_mistyped_flag_fails_the_parse(module):
+    with pytest.raises(SystemExit) as e:
+        parse(["-m", module, "--no-such-flag"])
+    assert e.value.code == 2
