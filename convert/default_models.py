@@ -3,8 +3,8 @@
 
 - `default`: text-to-image ("a red circle on a blue background"); what `python -m sdx.sample` uses
   when no --model is given.
-- `default-edit`: InstructPix2Pix ("make the circle green"), fine-tuned from `default`; used when no
-  --model is given and --image is.
+- `default-edit`: InstructPix2Pix ("make the circle green"), fine-tuned from `default`'s first training pass;
+  used when no --model is given and --image is.
 
 They are shipped compactly under sdx/assets/models/ in float16: NAME/sdx.json with only the weight files
 that NAME does not share. A weight file missing from NAME/ is the file of that name in default/ (the edit

@@ -49,21 +49,24 @@ def test_every_command_of_the_recipe_parses_in_order(tmp_path):
     commands = dry_run(tmp_path, work)
     assert [c[1] for c in commands] == [
         "train.shapes", "train.shapes", "train.vae", "train.vae", "train.init", "train.text_to_image",
-        "train.text_to_image", "train.pix2pix", "convert.default_models", "train.shapes_eval"]
+        "train.text_to_image", "train.pix2pix", "train.pix2pix", "convert.default_models", "train.shapes_eval"]
     parsed = [parse(c) for c in commands]
-    vae_1, vae, first, second, edit, pack = parsed[2], parsed[3], parsed[5], parsed[6], parsed[7], parsed[8]
+    vae_1, vae, first, second, edit, edit_2, pack = parsed[2], parsed[3], *parsed[5:10]
     # the VAE's second part resumes from the first part's last checkpoint and steps its rate down after it
     assert vae.resume_from_checkpoint == f"{work}/vae-1/checkpoints/{vae_1.max_train_steps}"
     assert vae.max_train_steps == vae_1.max_train_steps + 1500 and vae.lr_step_rules.startswith("1:5000,0.3:5500,")
     assert parsed[4].vae == f"{work}/vae"
-    # the second text-to-image pass starts from the first, at half its rate with another seed; the edit model is
-    # fine-tuned from the first pass; pack takes the second pass and the edit model
+    # each second pass starts from its first pass, at a lower rate with another seed; the edit model is
+    # fine-tuned from the first text-to-image pass; pack takes both second passes
     assert (first.pretrained_model_name_or_path, first.output_dir) == (f"{work}/init", f"{work}/t2i")
     assert (second.pretrained_model_name_or_path, second.output_dir) == (f"{work}/t2i", f"{work}/t2i-2")
     assert second.learning_rate == first.learning_rate / 2 and second.seed != first.seed
-    assert edit.pretrained_model_name_or_path == f"{work}/t2i" and edit.snr_gamma is None
-    assert (pack.command, pack.t2i, pack.edit, pack.guidance_scale) == ("pack", f"{work}/t2i-2", f"{work}/edit", 2.0)
-    assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit))
+    assert (edit.pretrained_model_name_or_path, edit.output_dir) == (f"{work}/t2i", f"{work}/edit")
+    assert (edit_2.pretrained_model_name_or_path, edit_2.output_dir) == (f"{work}/edit", f"{work}/edit-2")
+    assert edit_2.learning_rate < edit.learning_rate and edit_2.seed != edit.seed
+    assert edit.snr_gamma is None and edit_2.snr_gamma is None
+    assert (pack.command, pack.t2i, pack.edit, pack.guidance_scale) == ("pack", f"{work}/t2i-2", f"{work}/edit-2", 2.0)
+    assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit, edit_2))
 
 
 def test_a_rerun_skips_finished_stages_and_resumes_the_interrupted_one(tmp_path):
@@ -74,8 +77,8 @@ def test_a_rerun_skips_finished_stages_and_resumes_the_interrupted_one(tmp_path)
         (work / done).parent.mkdir(parents=True, exist_ok=True)
         (work / done).write_text("{}")
     commands = dry_run(tmp_path, work, T2I_MORE_STEPS="300")
-    assert [c[1] for c in commands] == ["train.text_to_image", "train.pix2pix", "convert.default_models",
-                                        "train.shapes_eval"]
+    assert [c[1] for c in commands] == ["train.text_to_image", "train.pix2pix", "train.pix2pix",
+                                        "convert.default_models", "train.shapes_eval"]
     second = parse(commands[0])
     assert (second.output_dir, second.resume_from_checkpoint, second.max_train_steps) == (f"{work}/t2i-2", "latest", 300)
     assert parse(commands[1]).resume_from_checkpoint is None
