@@ -69,19 +69,37 @@ def test_every_command_of_the_recipe_parses_in_order(tmp_path):
     assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit, edit_2))
 
 
-def test_a_rerun_skips_finished_stages_and_resumes_the_interrupted_one(tmp_path):
+AFTER_T2I = ["train.pix2pix", "train.pix2pix", "convert.default_models", "train.shapes_eval"]
+# where a run stopped: (what the work folder holds, finished stages' files and the interrupted stage's checkpoints;
+# the commands a rerun gives; the interrupted stage's output folder and its steps with VAE_STEPS=300 and
+# T2I_MORE_STEPS=300)
+INTERRUPTIONS = {
+    "the VAE's second part": (["captions/", "edits/", "vae-1/config.json", "vae/checkpoints/"],
+                              ["train.vae", "train.init", "train.text_to_image", "train.text_to_image", *AFTER_T2I],
+                              "vae", 300 + 1500),
+    "the second text-to-image pass": (["captions/", "edits/", "vae-1/config.json", "vae/config.json", "init/sdx.json",
+                                       "t2i/sdx.json", "t2i-2/checkpoints/"], ["train.text_to_image", *AFTER_T2I],
+                                      "t2i-2", 300),
+}
+
+
+@pytest.mark.parametrize("where", sorted(INTERRUPTIONS))
+def test_a_rerun_skips_finished_stages_and_resumes_the_interrupted_one(tmp_path, where):
+    held, expected, folder, steps = INTERRUPTIONS[where]
     work = tmp_path / "work"
-    for folder in ("captions", "edits", "vae/checkpoints", "t2i-2/checkpoints"):
-        (work / folder).mkdir(parents=True)
-    for done in ("vae-1/config.json", "vae/config.json", "init/sdx.json", "t2i/sdx.json"):
-        (work / done).parent.mkdir(parents=True, exist_ok=True)
-        (work / done).write_text("{}")
-    commands = dry_run(tmp_path, work, T2I_MORE_STEPS="300")
-    assert [c[1] for c in commands] == ["train.text_to_image", "train.pix2pix", "train.pix2pix",
-                                        "convert.default_models", "train.shapes_eval"]
-    second = parse(commands[0])
-    assert (second.output_dir, second.resume_from_checkpoint, second.max_train_steps) == (f"{work}/t2i-2", "latest", 300)
-    assert parse(commands[1]).resume_from_checkpoint is None
+    for name in held:
+        path = work / name
+        if name.endswith("/"):
+            path.mkdir(parents=True, exist_ok=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("{}")
+    commands = dry_run(tmp_path, work, VAE_STEPS="300", T2I_MORE_STEPS="300")
+    assert [c[1] for c in commands] == expected
+    first, *later = [parse(c) for c in commands[:-2]]  # the trainers and train.init; the first resumes
+    assert (first.output_dir, first.resume_from_checkpoint) == (f"{work}/{folder}", "latest")
+    assert first.max_train_steps == steps
+    assert all(getattr(p, "resume_from_checkpoint", None) is None for p in later)
 
 
 @pytest.mark.parametrize("module", sorted({**PARSERS, **TRAINERS}))

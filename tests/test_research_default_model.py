@@ -28,12 +28,13 @@ def _iou(values: np.ndarray, mask: np.ndarray) -> float:
 
 def test_the_shape_word_s_attention_map_lies_on_the_shape(tmp_path):
     """`--attention-maps` through the CLI on six prompts, the decoder's cross-attentions (`--attention-maps-layers
-    up_blocks`). Measured (seeds 0 and 3): the colour word's map overlaps the shape at IoU 0.86 and 0.86 on
-    average, the shape word's at 0.45 and 0.46 (0.23-0.88 each); a map over the whole picture scores the shape's
-    area, 0.24. Over all the layers (the default) the encoder's more diffuse maps dilute the shape word's to 0.32
-    and 0.34 (the colour word's 0.87): by layer group, seed 0, the encoder 0.29, the middle 0.48, the decoder 0.45.
-    (The first text-to-image pass alone, shipped before, scored the shape word 0.37 over all layers, and its
-    decoder's 0.55-0.60; the model before it, without cross-attention at its 16×16 level, 0.52 over all.)"""
+    up_blocks`). Measured (seeds 0 and 3, the model's own guidance 2.0): the colour word's map overlaps the shape
+    at IoU 0.85 and 0.86 on average, the shape word's at 0.45 and 0.46 (0.23-0.88 each); a map over the whole
+    picture scores the shape's area, 0.24. Over all the layers (the default; measured at guidance 2.5) the
+    encoder's more diffuse maps dilute the shape word's to 0.32 and 0.34 (the colour word's 0.87): by layer group,
+    seed 0, the encoder 0.29, the middle 0.48, the decoder 0.45. (The first text-to-image pass alone, shipped
+    before, scored the shape word 0.37 over all layers, and its decoder's 0.55-0.60; the model before it, without
+    cross-attention at its 16×16 level, 0.52 over all.)"""
     out, maps = tmp_path / "images", tmp_path / "maps"
     assert main(["--model", "default", "--prompt", *PROMPTS, "--seed", "0", "--output", str(out), "--attention-maps",
                  str(maps), "--attention-maps-layers", "up_blocks", "--cache", str(tmp_path / "cache"), "--quiet"]) == 0
