@@ -13,10 +13,11 @@ vocabulary (`sdx.tokenizer.write_builtin_folder`), whose pad tokens NAME/pack.js
 assembles a complete sdx folder in the cache on first use; `pack` writes the compact form from two
 trained sdx folders (the last step of the recipe):
 
-    python -m convert.default_models pack T2I_FOLDER EDIT_FOLDER [--guidance-scale G] [--out sdx/assets/models]
+    python -m convert.default_models pack T2I_FOLDER EDIT_FOLDER [--guidance-scale G] [--edit-guidance-scale G]
+        [--out sdx/assets/models]
 
---guidance-scale writes the text-to-image model's own guidance scale into its sdx.json (`Family.guidance_scale`:
-what a request that names none gets; measured in docs/default-models.md).
+--guidance-scale and --edit-guidance-scale write the text-to-image and the edit model's own guidance scale into
+their sdx.json (`Family.guidance_scale`: what a request that names none gets; measured in docs/default-models.md).
 """
 
 from __future__ import annotations
@@ -96,11 +97,14 @@ def _pad_tokens(src: Path, spec: dict) -> dict[str, str]:
     return pads
 
 
-def pack(t2i: Path, edit: Path, out: Path = SHIPPED, *, guidance_scale: float | None = None) -> Path:
+def pack(t2i: Path, edit: Path, out: Path = SHIPPED, *, guidance_scale: float | None = None,
+         edit_guidance_scale: float | None = None) -> Path:
     """Write the compact form of the two trained sdx folders under `out` (float16; shared files once), the
-    text-to-image model's spec naming `guidance_scale` as its own where given."""
+    text-to-image model's spec naming `guidance_scale` as its own and the edit model's `edit_guidance_scale`,
+    where given."""
     staging = out.parent / f".{out.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
+    own_guidance = dict(zip(NAMES, (guidance_scale, edit_guidance_scale)))
     for name, src in zip(NAMES, (t2i, edit)):
         model_folder.resave(src, staging / f"{name}.full", dtype=DTYPE)
     base = staging / f"{BASE}.full"
@@ -114,8 +118,8 @@ def pack(t2i: Path, edit: Path, out: Path = SHIPPED, *, guidance_scale: float | 
                     (base / entry["file"]).read_bytes() == (full / entry["file"]).read_bytes()
                 if "file" in entry and not shared:
                     shutil.copyfile(full / entry["file"], tmp / name / entry["file"])
-            if name == BASE and guidance_scale is not None:
-                spec["extra"][model_folder.GUIDANCE_KEY] = guidance_scale
+            if own_guidance[name] is not None:
+                spec["extra"][model_folder.GUIDANCE_KEY] = own_guidance[name]
             io.atomic_write_json(tmp / name / model_folder.SPEC_FILE, spec)
             io.atomic_write_json(tmp / name / PACK_FILE, {"tokenizers": _pad_tokens(full, spec), "shared_from": BASE})
     shutil.rmtree(staging)
@@ -135,6 +139,7 @@ def parser() -> ArgumentParser:
     s.add_argument("edit", help="the InstructPix2Pix sdx folder")
     s.add_argument("--out", default=str(SHIPPED), help=f"where to write (default {SHIPPED})")
     s.add_argument("--guidance-scale", type=float, help="the text-to-image model's own guidance scale (default: none)")
+    s.add_argument("--edit-guidance-scale", type=float, help="the edit model's own guidance scale (default: none)")
     return p
 
 
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
 
     def body():
         args = p.parse_args(argv)
-        out = pack(Path(args.t2i), Path(args.edit), Path(args.out), guidance_scale=args.guidance_scale)
+        out = pack(Path(args.t2i), Path(args.edit), Path(args.out), guidance_scale=args.guidance_scale,
+                   edit_guidance_scale=args.edit_guidance_scale)
         print(f"wrote {out} ({packed_size(out) / 1e6:.1f} MB)", file=sys.stderr)
 
     return run_command(body)

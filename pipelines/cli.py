@@ -109,7 +109,7 @@ def _prompts_flags(g) -> None:
 def _sampling_flags(g) -> None:
     g.add_argument("--steps", type=int, default=30, help="denoising steps (diffusers' num_inference_steps)")
     g.add_argument("--guidance-scale", type=float, default=None,
-                   help="default: the model's own where it names one (`default`: 2.0), else 7.5 (5.0 for SDXL)")
+                   help="default: the model's own where it names one (`default`, `default-edit`: 2.0), else 7.5 (5.0 for SDXL)")
     g.add_argument("--guidance-rescale", type=float, default=0.0,
                    help="rescale of the guided prediction (Lin et al. 2023; zero-SNR and v-prediction models)")
     g.add_argument("--height", type=int, help="pixels (default: the model's training size, or the image's)")

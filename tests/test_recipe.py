@@ -65,7 +65,8 @@ def test_every_command_of_the_recipe_parses_in_order(tmp_path):
     assert (edit_2.pretrained_model_name_or_path, edit_2.output_dir) == (f"{work}/edit", f"{work}/edit-2")
     assert edit_2.learning_rate < edit.learning_rate and edit_2.seed != edit.seed
     assert edit.snr_gamma is None and edit_2.snr_gamma is None
-    assert (pack.command, pack.t2i, pack.edit, pack.guidance_scale) == ("pack", f"{work}/t2i-2", f"{work}/edit-2", 2.0)
+    assert (pack.command, pack.t2i, pack.edit) == ("pack", f"{work}/t2i-2", f"{work}/edit-2")
+    assert (pack.guidance_scale, pack.edit_guidance_scale) == (2.0, 2.0)
     assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit, edit_2))
 
 
