@@ -89,6 +89,8 @@ BAD_VALUES = [
         "lr_warmup_steps", "dataloader_num_workers", "ema_update_after_step", "noise_offset", "input_perturbation",
         "max_grad_norm", "adam_weight_decay")],
     ("vae", ["--kl_weight", "-1"], "--kl_weight must not be negative"),
+    ("vae", ["--edge_weight", "-1"], "--edge_weight must not be negative"),
+    ("vae", ["--latent_noise", "-0.1"], "--latent_noise must not be negative"),
     ("pix2pix", ["--learning_rate", "0"], "--learning_rate must be positive"),
     ("pix2pix", ["--learning_rate", "-1"], "--learning_rate must be positive"),
     ("pix2pix", ["--adam_epsilon", "0"], "--adam_epsilon must be positive"),

@@ -33,7 +33,8 @@ def draws(keys, moments):
     drop_text, drop_image = objective.conditioning_dropout(keys, 0.3)
     return {"noise": noise, "noise_in": noise_in, "t": objective.timesteps(keys, 1000),
             "drop_text": drop_text, "drop_image": drop_image, "empty": objective.empty_prompt(keys, 0.5),
-            "posterior": objective.posterior_sample(keys, moments)}
+            "posterior": objective.posterior_sample(keys, moments),
+            "latent_noise": objective.latent_noise(keys, moments[..., :SHAPE[2]], 0.7)}
 
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])

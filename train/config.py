@@ -180,6 +180,8 @@ class TrainConfig:
     reconstruction_loss: str = "l1"
     vae_config: str | None = None
     decoder_only: bool = False
+    edge_weight: float = 0.0
+    latent_noise: float = 0.0
     # checkpoints, validation, logging, output
     checkpointing_steps: int = 500
     checkpoints_total_limit: int | None = None
@@ -384,6 +386,11 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt(g, "vae_config", "train from random weights: a preset name or a VAE config.json")
         _bool(g, "decoder_only", "train the decoder (and post_quant_conv) only: the encoder, and so every latent "
               "a model was trained on, stays exactly as it is")
+        opt(g, "edge_weight", "weigh each pixel's error by 1 + this times its edge strength (the largest change "
+            "over its 3x3 neighbourhood, 0 to 1): outlines and corners count more", type=float)
+        opt(g, "latent_noise", "decode the latents plus noise of standard deviation this times u ~ U[0, 1) (latent "
+            "units before scaling_factor): the decoder learns to draw latents near the encoder's cleanly",
+            type=float)
 
     g = p.add_argument_group("EMA", "an exponential moving average of the weights (diffusers' EMAModel)")
     _bool(g, "use_ema", "keep an exponential moving average of the weights; validate and save it")
@@ -497,7 +504,7 @@ def check(c: TrainConfig) -> None:
     if c.learning_rate <= 0:
         raise SdxError(f"--learning_rate must be positive, got {c.learning_rate}")
     for name in ("noise_offset", "input_perturbation", "max_grad_norm", "adam_weight_decay", "kl_weight",
-                 "prior_loss_weight"):
+                 "prior_loss_weight", "edge_weight", "latent_noise"):
         if getattr(c, name) < 0:
             raise SdxError(f"--{name} must not be negative, got {getattr(c, name)}")
     if c.adam_epsilon <= 0:

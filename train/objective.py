@@ -79,6 +79,7 @@ class Stream(enum.IntEnum):
     DROPOUT = 5  # InstructPix2Pix conditioning dropout's u
     POSTERIOR = 6  # the VAE posterior sample
     EMPTY_PROMPT = 7  # text-to-image's proportion_empty_prompts u
+    LATENT_NOISE = 8  # the VAE decoder's input noise (--latent_noise)
 
 
 def _sub(keys: jax.Array, stream: Stream) -> jax.Array:
@@ -176,6 +177,19 @@ def posterior_sample(keys: jax.Array, moments: jax.Array) -> jax.Array:
 def sample_latents(keys: jax.Array, moments: jax.Array, vae: VAEConfig) -> jax.Array:
     """f32[B, h, w, C]: the diffusion model's latents, `vae.to_latents(posterior_sample(keys, moments))`."""
     return vae.to_latents(posterior_sample(keys, moments))
+
+
+def latent_noise(keys: jax.Array, z: jax.Array, scale: float) -> jax.Array:
+    """z [B, h, w, C] plus noise of a per-sample standard deviation `scale` * u, u ~ U[0, 1): a decoder trained
+    on it learns to decode latents near the encoder's, as a diffusion model's are (none when scale is 0)."""
+    if _is_zero(scale):
+        return z
+
+    def draw(k):
+        ku, ke = jax.random.split(k)
+        return scale * jax.random.uniform(ku, (), jnp.float32) * jax.random.normal(ke, z.shape[1:], jnp.float32)
+
+    return z + _per_sample(keys, Stream.LATENT_NOISE, draw)
 
 
 def conditioning_dropout(keys: jax.Array, p: float) -> tuple[jax.Array, jax.Array]:

@@ -6,7 +6,11 @@
 The loss is LDM's without the perceptual and adversarial terms: per sample the summed reconstruction
 error over pixels (L1, or L2 with --reconstruction_loss l2) of the decoded posterior sample, plus
 --kl_weight times the KL divergence of the posterior from N(0, 1) summed over latent elements; the
-mean over the batch. With --decoder_only the encoder is frozen (no gradient flows into it, the optimizer
+mean over the batch. --edge_weight W weighs each pixel's error by 1 + W * its edge strength (the
+largest change over its 3x3 neighbourhood, in [0, 1]), so outlines and corners, a few pixels of a
+picture, count as much as they show; --latent_noise S adds noise of standard deviation S * u (u ~ U[0,
+1) per sample, in the latents' units before scaling_factor) to what the decoder decodes, so it learns to
+draw clean pictures from latents near the encoder's, as a diffusion model's are. With --decoder_only the encoder is frozen (no gradient flows into it, the optimizer
 neither moves nor decays it): the latents it gives, which a diffusion model was trained on, stay the
 same, and only their decoding improves. The metrics also carry the mean absolute error per pixel
 (`l1_per_pixel`) and the KL per latent element, which are comparable across resolutions.
@@ -59,6 +63,8 @@ class VAELoss:
     reconstruction_loss: str  # "l1" or "l2"
     kl_weight: float
     decoder_only: bool
+    edge_weight: float = 0.0
+    latent_noise: float = 0.0
 
 
 def vae_loss(graphdef, cfg: VAELoss) -> functools.partial:
@@ -76,12 +82,22 @@ def _vae_loss(graphdef, cfg: VAELoss, params, batch, keys, constants):
     if cfg.decoder_only:  # the KL term is then a constant
         dist = jax.lax.stop_gradient(dist)
     z = objective.posterior_sample(keys, jnp.concatenate([dist.mean, dist.logvar], axis=-1))
-    recon = vae.decode(z).astype(jnp.float32)
+    recon = vae.decode(objective.latent_noise(keys, z, cfg.latent_noise)).astype(jnp.float32)
     err = jnp.abs(recon - x) if cfg.reconstruction_loss == "l1" else (recon - x) ** 2
+    if cfg.edge_weight:
+        err = err * (1.0 + cfg.edge_weight * edge_strength(x))
     kl = dist.kl()  # (B,)
     loss = jnp.mean(jnp.sum(err, axis=(1, 2, 3)) + cfg.kl_weight * kl)
     aux = {"l1_per_pixel": jnp.mean(jnp.abs(recon - x)), "kl_per_element": jnp.mean(kl) / np.prod(dist.mean.shape[1:])}
     return loss, aux
+
+
+def edge_strength(x: jax.Array) -> jax.Array:
+    """(B, H, W, 1) in [0, 1]: over each pixel's 3x3 neighbourhood (inside the image), the largest of the
+    channels' max - min, of pixels x (B, H, W, C) in [-1, 1]."""
+    window = lambda init, op: jax.lax.reduce_window(x, init, op, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+    spread = window(-jnp.inf, jax.lax.max) - window(jnp.inf, jax.lax.min)  # (B, H, W, C)
+    return jnp.max(spread, axis=-1, keepdims=True) / 2
 
 
 @jax.jit
@@ -131,7 +147,8 @@ class VAETask:
     def loss_fn(self, graphdef):
         cfg = self.cfg
         return vae_loss(graphdef, VAELoss(reconstruction_loss=cfg.reconstruction_loss, kl_weight=cfg.kl_weight,
-                                          decoder_only=cfg.decoder_only))
+                                          decoder_only=cfg.decoder_only, edge_weight=cfg.edge_weight,
+                                          latent_noise=cfg.latent_noise))
 
     def frozen(self, params):
         """Under --decoder_only, True for the encoder's side (encoder, quant_conv); else None (all train)."""
