@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from convert import default_models
+from convert import cli, default_models
 from train import config as configlib
 from train import init, shapes, shapes_eval
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINERS = {"train.vae": "vae", "train.text_to_image": "text_to_image", "train.pix2pix": "pix2pix"}
 PARSERS = {"train.shapes": shapes.parser, "train.init": init.parser, "train.shapes_eval": shapes_eval.parser,
-           "convert.default_models": default_models.parser}
+           "convert.default_models": default_models.parser, "convert": cli.parser}
 SEP = "\x1f"  # between the arguments of one recorded command
 
 
@@ -49,9 +49,10 @@ def test_every_command_of_the_recipe_parses_in_order(tmp_path):
     commands = dry_run(tmp_path, work)
     assert [c[1] for c in commands] == [
         "train.shapes", "train.shapes", "train.vae", "train.vae", "train.init", "train.text_to_image",
-        "train.text_to_image", "train.pix2pix", "train.pix2pix", "convert.default_models", "train.shapes_eval"]
+        "train.text_to_image", "train.pix2pix", "train.pix2pix", "train.vae", "convert", "convert.default_models",
+        "train.shapes_eval"]
     parsed = [parse(c) for c in commands]
-    vae_1, vae, first, second, edit, edit_2, pack = parsed[2], parsed[3], *parsed[5:10]
+    vae_1, vae, first, second, edit, edit_2, decoder, swap, pack = parsed[2], parsed[3], *parsed[5:12]
     # the VAE's second part resumes from the first part's last checkpoint and steps its rate down after it
     assert vae.resume_from_checkpoint == f"{work}/vae-1/checkpoints/{vae_1.max_train_steps}"
     assert vae.max_train_steps == vae_1.max_train_steps + 1500 and vae.lr_step_rules.startswith("1:5000,0.3:5500,")
@@ -65,12 +66,17 @@ def test_every_command_of_the_recipe_parses_in_order(tmp_path):
     assert (edit_2.pretrained_model_name_or_path, edit_2.output_dir) == (f"{work}/edit", f"{work}/edit-2")
     assert edit_2.learning_rate < edit.learning_rate and edit_2.seed != edit.seed
     assert edit.snr_gamma is None and edit_2.snr_gamma is None
-    assert (pack.command, pack.t2i, pack.edit) == ("pack", f"{work}/t2i-2", f"{work}/edit-2")
+    # the decoder alone is fine-tuned on the second text-to-image pass, and the edit model takes that VAE; pack
+    # takes both
+    assert (decoder.pretrained_model_name_or_path, decoder.output_dir) == (f"{work}/t2i-2", f"{work}/t2i-3")
+    assert decoder.decoder_only and decoder.edge_weight > 0 and decoder.latent_noise > 0
+    assert (swap.src, swap.out, swap.vae) == (f"{work}/edit-2", f"{work}/edit-3", f"{work}/t2i-3")
+    assert (pack.command, pack.t2i, pack.edit) == ("pack", f"{work}/t2i-3", f"{work}/edit-3")
     assert (pack.guidance_scale, pack.edit_guidance_scale) == (2.0, 2.0)
-    assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit, edit_2))
+    assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit, edit_2, decoder))
 
 
-AFTER_T2I = ["train.pix2pix", "train.pix2pix", "convert.default_models", "train.shapes_eval"]
+AFTER_T2I = ["train.pix2pix", "train.pix2pix", "train.vae", "convert", "convert.default_models", "train.shapes_eval"]
 # where a run stopped: (what the work folder holds, finished stages' files and the interrupted stage's checkpoints;
 # the commands a rerun gives; the interrupted stage's output folder and its steps with VAE_STEPS=300 and
 # T2I_MORE_STEPS=300)
@@ -81,6 +87,9 @@ INTERRUPTIONS = {
     "the second text-to-image pass": (["captions/", "edits/", "vae-1/config.json", "vae/config.json", "init/sdx.json",
                                        "t2i/sdx.json", "t2i-2/checkpoints/"], ["train.text_to_image", *AFTER_T2I],
                                       "t2i-2", 300),
+    "the VAE decoder": (["captions/", "edits/", "vae-1/config.json", "vae/config.json", "init/sdx.json", "t2i/sdx.json",
+                         "t2i-2/sdx.json", "edit/sdx.json", "edit-2/sdx.json", "t2i-3/checkpoints/"],
+                        ["train.vae", "convert", "convert.default_models", "train.shapes_eval"], "t2i-3", 1000),
 }
 
 
@@ -97,7 +106,7 @@ def test_a_rerun_skips_finished_stages_and_resumes_the_interrupted_one(tmp_path,
             path.write_text("{}")
     commands = dry_run(tmp_path, work, VAE_STEPS="300", T2I_MORE_STEPS="300")
     assert [c[1] for c in commands] == expected
-    first, *later = [parse(c) for c in commands[:-2]]  # the trainers and train.init; the first resumes
+    first, *later = [parse(c) for c in commands[:-2]]  # all but pack and the evaluation; the first resumes
     assert (first.output_dir, first.resume_from_checkpoint) == (f"{work}/{folder}", "latest")
     assert first.max_train_steps == steps
     assert all(getattr(p, "resume_from_checkpoint", None) is None for p in later)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The default models (`--model default`, `--model default-edit`) from scratch, with sdx's own commands
 # only: the shapes datasets, the VAE, the untrained SDXL-architecture pipeline, text-to-image training,
-# InstructPix2Pix fine-tuning, packing into sdx/assets/models, and the evaluation.
+# InstructPix2Pix fine-tuning, the VAE decoder's fine-tune, packing into sdx/assets/models, and the evaluation.
 #
 #     make default-models            # or: bash train/recipe.sh [WORK_DIR]
 #
 # Every training command checkpoints as it goes; run the recipe again after an interruption and each
 # finished stage is skipped, an unfinished one resumes from its last checkpoint. The step counts are
-# environment variables (VAE_STEPS, T2I_STEPS, T2I_MORE_STEPS, EDIT_STEPS, EDIT_MORE_STEPS) for shorter trial runs.
+# environment variables (VAE_STEPS, T2I_STEPS, T2I_MORE_STEPS, EDIT_STEPS, EDIT_MORE_STEPS, DECODER_STEPS) for
+# shorter trial runs.
 set -euo pipefail
 
 WORK=${1:-work/default-models}
@@ -17,6 +18,7 @@ T2I_STEPS=${T2I_STEPS:-5000}
 T2I_MORE_STEPS=${T2I_MORE_STEPS:-5000}
 EDIT_STEPS=${EDIT_STEPS:-5000}
 EDIT_MORE_STEPS=${EDIT_MORE_STEPS:-2500}
+DECODER_STEPS=${DECODER_STEPS:-1000}
 mkdir -p "$WORK"
 start=$(date +%s)
 stage() { echo "== $1 ($(( $(date +%s) - start )) s so far)" >&2; }
@@ -83,10 +85,22 @@ stage "InstructPix2Pix, second pass"
 # pass: its pictures come out closer to the world's shapes. `default-edit` ships this pass.
 instruct_pix2pix "$WORK/edit" "$WORK/edit-2" "$EDIT_MORE_STEPS" 3e-4 1
 
+stage "VAE decoder"
+# The decoder alone, fine-tuned on the second text-to-image pass's VAE: the encoder, and so every latent both UNets
+# were trained on, stays as it is. Each pixel's error is weighed by 1 + 100 times its edge strength, so the few
+# pixels of an outline and a corner count, and the decoder draws from latents with noise added, as a UNet's latents
+# are near the encoder's but not on them. Both models then share this VAE (the edit model's is swapped in).
+[ -f "$WORK/t2i-3/sdx.json" ] || $PY -m train.vae --pretrained_model_name_or_path "$WORK/t2i-2" --decoder_only \
+    --edge_weight 100 --latent_noise 0.1 --dataset_name "$WORK/captions" --resolution 64 --train_batch_size 16 \
+    --max_train_steps "$DECODER_STEPS" --learning_rate 2e-4 --lr_scheduler cosine --lr_warmup_steps 20 \
+    --validation_steps 500 --checkpointing_steps 250 --checkpoints_total_limit 2 --seed 0 --output_dir "$WORK/t2i-3" \
+    $(resume "$WORK/t2i-3")
+[ -f "$WORK/edit-3/sdx.json" ] || $PY -m convert "$WORK/edit-2" "$WORK/edit-3" --vae "$WORK/t2i-3"
+
 stage "pack"
 # Both models name guidance 2.0 as their own: the text-to-image model's circles are roundest there, and at 2.0
 # rather than SDXL's 5.0 far more edits keep their shapes strictly (docs/default-models.md, "How well they work").
-$PY -m convert.default_models pack "$WORK/t2i-2" "$WORK/edit-2" --guidance-scale 2.0 --edit-guidance-scale 2.0
+$PY -m convert.default_models pack "$WORK/t2i-3" "$WORK/edit-3" --guidance-scale 2.0 --edit-guidance-scale 2.0
 
 stage "evaluate"
 $PY -m train.shapes_eval --model default --edit-model default-edit --vae-model default --seeds 2 --json "$WORK/eval.json"
