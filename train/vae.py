@@ -6,14 +6,15 @@
 The loss is LDM's without the perceptual and adversarial terms: per sample the summed reconstruction
 error over pixels (L1, or L2 with --reconstruction_loss l2) of the decoded posterior sample, plus
 --kl_weight times the KL divergence of the posterior from N(0, 1) summed over latent elements; the
-mean over the batch. --edge_weight W weighs each pixel's error by 1 + W * its edge strength (the
-largest change over its 3x3 neighbourhood, in [0, 1]), so outlines and corners, a few pixels of a
-picture, count as much as they show; --latent_noise S adds noise of standard deviation S * u (u ~ U[0,
-1) per sample, in the latents' units before scaling_factor) to what the decoder decodes, so it learns to
-draw clean pictures from latents near the encoder's, as a diffusion model's are. With --decoder_only the encoder is frozen (no gradient flows into it, the optimizer
-neither moves nor decays it): the latents it gives, which a diffusion model was trained on, stay the
-same, and only their decoding improves. The metrics also carry the mean absolute error per pixel
-(`l1_per_pixel`) and the KL per latent element, which are comparable across resolutions.
+mean over the batch. --edge_weight W weighs each pixel's error by 1 + W times its edge strength (the
+largest change over its 3x3 neighbourhood, in [0, 1]), so that outlines and corners, a few pixels of a
+picture, are not blurred away; --latent_noise S adds noise of standard deviation S * u (u ~ U[0, 1) per
+sample, in the latents' units before scaling_factor) to what the decoder decodes, so that it learns to
+draw clean pictures from latents near the encoder's, as a diffusion model's are. With --decoder_only the
+encoder is frozen (no gradient flows into it, the optimizer neither moves nor decays it): the latents it
+gives, which a diffusion model was trained on, stay the same, and only their decoding improves. The
+metrics also carry the mean absolute error per pixel (`l1_per_pixel`) and the KL per latent element,
+which are comparable across resolutions.
 
 Output: from a pipeline (--pretrained_model_name_or_path) the whole pipeline with the new VAE, an sdx
 folder in --output_dir; from --vae_config a VAE folder in diffusers' layout (config.json and
