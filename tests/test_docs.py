@@ -14,6 +14,8 @@ example that stops working fails the suite. The rules (docs/testing.md, "How the
   base-1.0` is then a local folder holding a tiny random diffusers pipeline of that architecture. The pages run
   with HF_HUB_OFFLINE=1: a hub id missing from the table fails instead of downloading.
 - A text block right after a command block that runs is its output: each of its lines must be in what ran printed.
+  So is a comment after a `print(...)` in a Python block that runs: it starts with a line the run printed, whole,
+  then ends or goes on after a colon or a comma (`print(x.shape)  # (1, 64, 64, 3), floats in [0, 1]`).
 - The pages run one after another in one fresh `python` (tests/docs_run.py), each page's blocks in order, in a
   working folder of its own; they share one sdx cache, so `default` is assembled, a stand-in converted and a
   program compiled once. The run prints each command's seconds and its own CPU time.
@@ -44,6 +46,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 LANGUAGES = ("sh", "python", "text")
 MARKS = {"scaled down": "scaled", "flags checked": "checked", "not run": "skipped"}
 MARK = re.compile(r"^<sub>Tests: (?P<mark>scaled down|flags checked|not run)\b.*</sub>$")
+PRINTED = re.compile(r"^\s*print\(.*\)\s+# (.+)$", re.M)  # a print's comment: what it prints, first
 FENCE = re.compile(r"^```(?P<lang>\S*)[^\n]*\n(?P<code>.*?)^```[ \t]*$", re.S | re.M)
 
 # the caps a scaled-down block runs with: --flag N becomes --flag min(N, cap)
@@ -372,3 +375,9 @@ def test_the_pages_code_runs(stand_ins, docs_cache, tmp_path):
     for b in ALL:
         missing = [line for line in b.code.splitlines() if b.output_of and line.strip() and line not in printed]
         assert not missing, f"{b.where}: the output shown is not what {b.output_of.where} printed: {missing}"
+    lines = {line.strip() for line in printed.splitlines() if line.strip()}
+    for b in ALL:
+        if b.lang == "python" and b.mode in ("run", "scaled"):
+            for shown in PRINTED.findall(b.code):
+                assert any(shown == line or shown.startswith((f"{line}:", f"{line},")) for line in lines), \
+                    f"{b.where}: the comment '# {shown}' does not start with a line that its print printed"
