@@ -372,11 +372,10 @@ def test_the_pages_code_runs(stand_ins, docs_cache, tmp_path):
     ignored = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=REPO, input="\n".join(made),
                              capture_output=True, text=True).stdout.split()
     assert made and ignored == made, f"README.md's tour leaves files git does not ignore: {set(made) - set(ignored)}"
+    lines = {line.strip() for line in printed.splitlines() if line.strip()}
     for b in ALL:
         missing = [line for line in b.code.splitlines() if b.output_of and line.strip() and line not in printed]
         assert not missing, f"{b.where}: the output shown is not what {b.output_of.where} printed: {missing}"
-    lines = {line.strip() for line in printed.splitlines() if line.strip()}
-    for b in ALL:
         if b.lang == "python" and b.mode in ("run", "scaled"):
             for shown in PRINTED.findall(b.code):
                 assert any(shown == line or shown.startswith((f"{line}:", f"{line},")) for line in lines), \
