@@ -4,7 +4,7 @@ From random weights (--vae_config): the loss falls when the VAE overfits a repea
 folder it writes (diffusers' layout) loads in diffusers' AutoencoderKL and reconstructs what sdx's VAE
 read from the same folder (the `--vae` path of the sampler and the converter) reconstructs; on two devices,
 resumed exactly. From a pipeline: the sdx folder written has the new VAE and every other component byte for
-byte.
+byte; with --unet_latents its decoder learns from the latents the pipeline's own img2img draws.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ from sdx import weights
 from sdx.layers import Compute
 from sdx.vae import AutoencoderKL, VAEConfig
 from tests.processes import child_env
-from train import shapes
+from pipelines.pipeline import Pipeline
+from pipelines.request import Request
+from train import shapes, sources
 from train import vae as vaetask
 
 torch = pytest.importorskip("torch")
@@ -129,6 +131,36 @@ def test_decoder_only_keeps_the_encoder(world, demo_models):
     for k in encoder_side:
         assert changed[k].tobytes() == before[k].tobytes(), k
     assert all(not np.array_equal(changed[k], before[k]) for k in decoder_side if k.endswith("kernel"))
+
+
+def test_unet_latents_are_what_the_pipeline_draws_by_img2img(world, demo_models):
+    """--unet_latents 0.5 0.3: the cache holds each picture and, in the decoder's units, the final latents the
+    pipeline's own img2img draws from it and its caption (batch b at the b-th strength in turn, seed --seed + b);
+    the loss decodes those (no KL term), and only the decoder side changes."""
+    root, env = world
+    model = demo_models("tiny")
+    data = root / "four"
+    shapes.write_dataset(data, "captions", count=4, seed=3, size=32)
+    out = root / "unet-latents"
+    _train_vae(env, "--pretrained_model_name_or_path", str(model), "--dataset_name", str(data), "--output_dir",
+               str(out), "--max_train_steps", "2", "--learning_rate", "1e-3", "--decoder_only", "--center_crop",
+               "--unet_latents", "0.5", "0.3", "--seed", "4")
+    cache = out / "cache" / "process-0"
+    pixels, drawn = np.load(cache / "pixels.npy"), np.load(cache / "unet_latents.npy")
+    source = sources.open_source(str(data), sources.Columns(images=("image",), text="text", names=("pixels",)))
+    pipe = Pipeline.load(model, dtype="float32")
+    for b, strength in enumerate((0.5, 0.3)):  # two batches of two pictures
+        rows = slice(2 * b, 2 * b + 2)
+        latents = pipe(Request(prompts=[source[i].text for i in range(4)][rows], image=pixels[rows], height=32,
+                               width=32, seed=4 + b, strength=strength, output_latents=True))
+        want = np.asarray(pipe.models["vae"].config.from_latents(jnp.asarray(latents)))
+        np.testing.assert_allclose(drawn[rows], want, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(drawn[:2], drawn[2:], atol=1e-2)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics and all("kl_per_element" not in m and m["loss"] > 0 for m in metrics)
+    changed, before = load_file(out / "vae.safetensors"), load_file(model / "vae.safetensors")
+    for k in before:
+        assert (changed[k].tobytes() == before[k].tobytes()) == (k.split(".")[0] in ("encoder", "quant_conv")), k
 
 
 def test_each_validation_after_the_first_runs_the_compiled_reconstruction(jax_events):

@@ -1,7 +1,7 @@
 """train.vae's loss against LDM's formula computed in PyTorch on diffusers' AutoencoderKL with the same
 weights, the posterior sample and the decoder's input noise drawn from the same per-sample keys: every
 flag that changes the math (--reconstruction_loss, --kl_weight, --edge_weight, --latent_noise,
---decoder_only)."""
+--decoder_only, and --unet_latents, whose batches bring the latents to decode)."""
 
 from __future__ import annotations
 
@@ -38,14 +38,15 @@ def _nchw(a) -> torch.Tensor:
     return torch.from_numpy(np.asarray(a, np.float32).transpose(0, 3, 1, 2).copy())
 
 
-def _reference(tmodel, x: np.ndarray, keys, cfg: VAELoss) -> float:
-    """LDM's loss, mean over the batch of sum(weight * error) + kl_weight * KL, in PyTorch."""
+def _reference(tmodel, x: np.ndarray, keys, cfg: VAELoss, latents: np.ndarray | None = None) -> float:
+    """LDM's loss, mean over the batch of sum(weight * error) + kl_weight * KL, in PyTorch; given `latents`
+    (NHWC, the decoder's units), those decoded against x, without the KL term."""
     xt = _nchw(x)
     with torch.no_grad():
         dist = tmodel.encode(xt).latent_dist
         shape = tuple(dist.mean.shape[i] for i in (2, 3, 1))  # one sample's NHWC latents (h, w, C)
         eps = jax.vmap(lambda k: jax.random.normal(jax.random.fold_in(k, Stream.POSTERIOR), shape))(keys)
-        z = dist.mean + dist.std * _nchw(eps)
+        z = dist.mean + dist.std * _nchw(eps) if latents is None else _nchw(latents)
 
         def noise(k):
             ku, ke = jax.random.split(jax.random.fold_in(k, Stream.LATENT_NOISE))
@@ -56,7 +57,8 @@ def _reference(tmodel, x: np.ndarray, keys, cfg: VAELoss) -> float:
         err = (recon - xt).abs() if cfg.reconstruction_loss == "l1" else (recon - xt) ** 2
         spread = F.max_pool2d(xt, 3, 1, 1) + F.max_pool2d(-xt, 3, 1, 1)  # max - min over 3x3, -inf padded
         err = err * (1 + cfg.edge_weight * spread.amax(dim=1, keepdim=True) / 2)
-        return float((err.sum(dim=(1, 2, 3)) + cfg.kl_weight * dist.kl()).mean())
+        kl = dist.kl() if latents is None else 0.0
+        return float((err.sum(dim=(1, 2, 3)) + cfg.kl_weight * kl).mean())
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +87,25 @@ def test_loss_matches_ldm_in_pytorch(models, cfg):
         plain = vaetask.vae_loss(graphdef, dataclasses.replace(cfg, latent_noise=0.0))(
             params, {"pixels": jnp.asarray(x)}, keys, {})[0]
         assert abs(float(plain) - want) > 1e-3 * want
+
+
+@pytest.mark.parametrize("cfg", [
+    VAELoss("l1", 1e-3, True, edge_weight=10.0),
+    VAELoss("l2", 0.5, True, latent_noise=0.5),
+], ids=["edges", "l2-noise"])
+def test_given_latents_are_decoded_against_the_pictures(models, cfg):
+    """--unet_latents: the batch's latents (not the encoder's) are decoded; no KL term, whatever its weight."""
+    tmodel, vae = models
+    x = _pictures()
+    keys = sample_keys(jax.random.key(7), np.arange(len(x)))
+    graphdef, params = nnx.split(vae, nnx.Param)
+    shape = vae.encode(jnp.asarray(x)).mean.shape  # (B, h, w, C)
+    latents = np.random.default_rng(3).normal(size=shape).astype(np.float32)
+    loss, aux = vaetask.vae_loss(graphdef, cfg)(params, {"pixels": jnp.asarray(x), "unet_latents": latents}, keys, {})
+    np.testing.assert_allclose(float(loss), _reference(tmodel, x, keys, cfg, latents), rtol=2e-5)
+    assert "kl_per_element" not in aux
+    encoded = vaetask.vae_loss(graphdef, cfg)(params, {"pixels": jnp.asarray(x)}, keys, {})[0]
+    assert abs(float(encoded) - float(loss)) > 1e-2 * float(loss)  # the given latents, not the encoder's
 
 
 def test_edge_strength_is_the_largest_change_around_a_pixel():

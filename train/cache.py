@@ -45,6 +45,7 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
+from convert.library import identity
 from sdx import io, model_folder
 from sdx.errors import SdxError
 from train import data
@@ -53,6 +54,18 @@ FORMAT = "sdx.train.cache/1"
 MANIFEST = "manifest.json"
 PER_ROW = ("context", "pooled", "ids")  # text: the same for both flips of a row
 UNREADABLE_LOGGED = 10
+
+
+def data_key(cfg, source: data.Source, model: Path) -> dict:
+    """What a cache of `source`, read as the TrainConfig `cfg` reads it and encoded by the model in folder
+    `model`, depends on; a task adds what its own encoding depends on. A cache built under another key is
+    built again."""
+    spec = cfg.dataset_name or cfg.train_data_dir
+    return {"task": cfg.task, "dataset": spec, "dataset_identity": identity(Path(spec)) if Path(spec).exists() else None,
+            "description": source.description, "samples": len(source), "columns": list(source.columns.images),
+            "text_column": source.columns.text, "max_train_samples": cfg.max_train_samples, "seed": cfg.seed,
+            "model": identity(model), "resolution": cfg.resolution, "center_crop": cfg.center_crop,
+            "random_flip": cfg.random_flip, "interpolation": cfg.image_interpolation_mode}
 
 
 def _host_rows(x: jax.Array) -> np.ndarray:
@@ -119,10 +132,11 @@ class LatentCache:
     @classmethod
     def open_or_build(cls, folder: Path, source: data.Source, transform: data.Transform, *,
                       encode: Callable[[dict], Mapping[str, jax.Array]], batch_size: int, key: Mapping[str, Any],
-                      log=print) -> LatentCache:
+                      log=print, flag: str = "--cache_latents") -> LatentCache:
         """The cache in `folder` when its manifest says it was built with `key`; else built anew.
         encode: a host batch of the loader (decoded images, token ids, geometry) -> the encoded global
-        batch (`encode_batch`'s output, batch-sharded over the mesh); batch_size: host samples per call."""
+        batch (`encode_batch`'s output, batch-sharded over the mesh); batch_size: host samples per call;
+        flag: the command-line flag that asked for the cache, which its errors name."""
         key = json.loads(json.dumps(dict(key)))
         if (folder / MANIFEST).is_file():
             old = io.read_json(folder / MANIFEST, obj=True)
@@ -130,17 +144,17 @@ class LatentCache:
                 log(f"latent cache: reusing {folder}")
                 return cls(folder, transform)
             log(f"latent cache: {folder} was built from another dataset, model or transform; building it again")
-        _build(folder, source, transform, encode, batch_size, key, log)
+        _build(folder, source, transform, encode, batch_size, key, log, flag)
         return cls(folder, transform)
 
 
-def _read(source: data.Source, transform: data.Transform, pos: int, flip: bool) -> dict:
+def _read(source: data.Source, transform: data.Transform, pos: int, flip: bool, flag: str = "--cache_latents") -> dict:
     """Position `pos` decoded with this flip, checked to be the same whatever sample it is drawn as."""
     example = source[pos]
     if isinstance(example.text, (list, tuple, np.ndarray)) and len(example.text) > 1:
-        raise SdxError(f"--cache_latents: {example.where} holds {len(example.text)} captions, one of which is drawn "
+        raise SdxError(f"{flag}: {example.where} holds {len(example.text)} captions, one of which is drawn "
                        "per sample; a cache stores one encoding per image, so use one caption per row or drop "
-                       "--cache_latents")
+                       f"{flag}")
     element = data.read_example(source, transform, example, flip=flip)
     if "error" in element:
         raise SdxError(element["error"])
@@ -148,13 +162,13 @@ def _read(source: data.Source, transform: data.Transform, pos: int, flip: bool) 
         h, w = (int(v) for v in element["original_size"])
         resized = transform.geometry(h, w, 0).resized
         if resized != (transform.resolution, transform.resolution):
-            raise SdxError(f"--cache_latents with a random crop: {example.where} is {w}x{h} (resized to "
+            raise SdxError(f"{flag} with a random crop: {example.where} is {w}x{h} (resized to "
                            f"{resized[1]}x{resized[0]}), so its crop is drawn per sample and cannot be cached; "
-                           "add --center_crop or drop --cache_latents")
+                           f"add --center_crop or drop {flag}")
     return element
 
 
-def _build(folder: Path, source, transform, encode, batch_size: int, key, log) -> None:
+def _build(folder: Path, source, transform, encode, batch_size: int, key, log, flag: str) -> None:
     variants = 2 if transform.random_flip else 1
     n = len(source)
     log(f"latent cache: encoding {n} samples{' (unflipped and flipped)' if variants == 2 else ''} into {folder}")
@@ -189,7 +203,7 @@ def _build(folder: Path, source, transform, encode, batch_size: int, key, log) -
         for pos in tqdm(range(n), desc="latent cache", unit="sample", disable=jax.process_index() != 0,
                         dynamic_ncols=True):
             for v in range(variants):
-                element = _read(source, transform, pos, flip=bool(v))
+                element = _read(source, transform, pos, flip=bool(v), flag=flag)
                 rows[pos] = element["row"]
                 if "skip" in element:  # the image cannot be decoded: unflipped or flipped alike
                     skipped[pos] = element["skip"]
@@ -203,7 +217,7 @@ def _build(folder: Path, source, transform, encode, batch_size: int, key, log) -
                 valid[pos] = True
         flush()
         if not valid.any():
-            raise SdxError("--cache_latents: no sample of the dataset could be read")
+            raise SdxError(f"{flag}: no sample of the dataset could be read")
         for a in arrays.values():
             a.flush()
         np.save(tmp / "valid.npy", valid)

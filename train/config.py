@@ -182,6 +182,7 @@ class TrainConfig:
     decoder_only: bool = False
     edge_weight: float = 0.0
     latent_noise: float = 0.0
+    unet_latents: tuple[float, ...] = ()
     # checkpoints, validation, logging, output
     checkpointing_steps: int = 500
     checkpoints_total_limit: int | None = None
@@ -282,6 +283,8 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt(g, "image_column", "the image column")
         if task in ("text_to_image", *CONTROL_TASKS):
             opt(g, "caption_column", "the caption column")
+        if task == "vae":
+            opt(g, "caption_column", "--unet_latents: the caption column (the prompts the UNet draws with)")
         if task in CONTROL_TASKS:
             opt(g, "conditioning_image_column", "the control image column (edges, depth, ...)")
     if task not in ("dreambooth", "textual_inversion"):
@@ -391,6 +394,10 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
         opt(g, "latent_noise", "decode the latents plus noise of standard deviation this times u ~ U[0, 1) (latent "
             "units before scaling_factor): the decoder learns to draw latents near the encoder's cleanly",
             type=float)
+        _flag(g, "unet_latents", nargs="+", type=float, default=[], metavar="STRENGTH",
+              help="--decoder_only: decode, against each picture, the latents the model's own UNet draws from it "
+                   "and its caption by img2img at these strengths (each batch of the dataset at the next in turn), "
+                   "instead of the encoder's; the dataset is drawn once into output_dir/cache")
 
     g = p.add_argument_group("EMA", "an exponential moving average of the weights (diffusers' EMAModel)")
     _bool(g, "use_ema", "keep an exponential moving average of the weights; validate and save it")
@@ -451,7 +458,7 @@ def parse(task: str, argv: list[str] | None = None, lora: bool = False) -> Train
             continue
         kept.append(arg)
     values = dict(vars(p.parse_args(kept)))
-    for name in ("validation_prompt", "validation_image"):
+    for name in ("validation_prompt", "validation_image", "unet_latents"):
         if name in values:
             values[name] = tuple(values[name] or ())
     if values["mixed_precision"] == "fp16":
@@ -475,6 +482,8 @@ def check(c: TrainConfig) -> None:
     if c.task == "vae":
         if not c.pretrained_model_name_or_path and not c.vae_config:
             raise SdxError("give --pretrained_model_name_or_path (its VAE is fine-tuned) or --vae_config")
+        if c.unet_latents:
+            _check_unet_latents(c)
     elif not c.pretrained_model_name_or_path:
         raise SdxError("--pretrained_model_name_or_path is required")
     if c.task == "dreambooth":
@@ -564,6 +573,17 @@ def check(c: TrainConfig) -> None:
                            "or as many of each (diffusers' pairing)")
     if c.task == "pix2pix" and c.validation_prompt and not c.val_image_url_or_path:
         raise SdxError("--validation_prompt needs --val_image_url_or_path (the image to edit) for pix2pix")
+
+
+def _check_unet_latents(c: TrainConfig) -> None:
+    if c.vae_config or not c.decoder_only:
+        raise SdxError("--unet_latents fine-tunes a pipeline's decoder on what its UNet draws: give "
+                       "--pretrained_model_name_or_path and --decoder_only (not --vae_config)")
+    bad = [s for s in c.unet_latents if not 0 < s <= 1]
+    if bad:
+        raise SdxError(f"--unet_latents {bad[0]}: an img2img strength is in (0, 1]")
+    if not c.caption_column:
+        raise SdxError("--unet_latents draws each picture from its caption: give --caption_column")
 
 
 def _check_dreambooth(c: TrainConfig) -> None:

@@ -36,7 +36,6 @@ from pipelines.request import Request
 from sdx import mesh as meshlib
 from sdx import lora, model_folder, schedulers
 from sdx.errors import SdxError
-from convert.library import identity
 from train import cache as cachelib
 from train import config, data, denoise, export, models, objective, sources
 from train.config import TrainConfig
@@ -133,13 +132,9 @@ class DiffusionTask:
         cfg = self.cfg
         if not cfg.cache_latents:
             return {}
-        spec = cfg.dataset_name or cfg.train_data_dir
-        key = {"task": cfg.task, "dataset": spec, "dataset_identity": identity(Path(spec)) if Path(spec).exists() else None,
-               "description": source.description, "samples": len(source), "columns": list(source.columns.images),
-               "text_column": source.columns.text, "max_train_samples": cfg.max_train_samples, "seed": cfg.seed,
-               "model": identity(self.folder), "resolution": cfg.resolution, "center_crop": cfg.center_crop,
-               "random_flip": cfg.random_flip, "interpolation": cfg.image_interpolation_mode, "text_dtype": str(jnp.dtype(models.computes(cfg)["text"].dtype)),
-               "family": repr(self.models.family), "text_ids": models.text_in_step(cfg)}
+        key = cachelib.data_key(cfg, source, self.folder) | {
+            "text_dtype": str(jnp.dtype(models.computes(cfg)["text"].dtype)), "family": repr(self.models.family),
+            "text_ids": models.text_in_step(cfg)}
         encode = lambda host: self._encode(self._frozen, meshlib.put_batch(self.mesh, self.host_arrays(host)))
         self.cache = cachelib.LatentCache.open_or_build(
             out / "cache" / f"process-{jax.process_index()}", source, self.transform, encode=encode,

@@ -12,8 +12,15 @@ picture, are not blurred away; --latent_noise S adds noise of standard deviation
 sample, in the latents' units before scaling_factor) to what the decoder decodes, so that it learns to
 draw clean pictures from latents near the encoder's, as a diffusion model's are. With --decoder_only the
 encoder is frozen (no gradient flows into it, the optimizer neither moves nor decays it): the latents it
-gives, which a diffusion model was trained on, stay the same, and only their decoding improves. The
-metrics also carry the mean absolute error per pixel (`l1_per_pixel`) and the KL per latent element,
+gives, which a diffusion model was trained on, stay the same, and only their decoding improves. With
+--unet_latents (a pipeline's decoder only) the decoder learns from what the pipeline's UNet draws rather than
+from the encoder: each picture of the dataset and its caption go once through img2img at a low strength (each
+batch at the next of the strengths given, with seed --seed plus the batch's number, the model's own guidance and
+30 steps), and the loss decodes the final latents against the picture itself, without the KL term; the
+pictures and those latents are stored in output_dir/cache as `--cache_latents` stores its encodings
+(`train/cache.py`: built once, reused on resume, flipped pictures drawn apart). A UNet's latents differ from
+the encoder's in the fine detail, such as a corner, which a decoder trained on the encoder's alone draws
+rounded. The metrics also carry the mean absolute error per pixel (`l1_per_pixel`) and the KL per latent element,
 which are comparable across resolutions.
 
 Output: from a pipeline (--pretrained_model_name_or_path) the whole pipeline with the new VAE, an sdx
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import sys
 from pathlib import Path
 
@@ -39,6 +47,7 @@ from sdx import io, mesh as meshlib
 from sdx import model_folder, presets, weights
 from sdx.errors import SdxError
 from sdx.vae import AutoencoderKL, VAEConfig
+from train import cache as cachelib
 from train import config as configlib
 from train import data, export, loop, models, objective, sources
 from train.config import TrainConfig
@@ -79,18 +88,24 @@ def _vae_loss(graphdef, cfg: VAELoss, params, batch, keys, constants):
     del constants
     vae = nnx.merge(graphdef, params)
     x = batch["pixels"]
-    dist = vae.encode(x)
-    if cfg.decoder_only:  # the KL term is then a constant
-        dist = jax.lax.stop_gradient(dist)
-    z = objective.posterior_sample(keys, jnp.concatenate([dist.mean, dist.logvar], axis=-1))
+    if "unet_latents" in batch:  # --unet_latents: what a UNet drew from x, in the decoder's units; no encoder
+        z, kl = batch["unet_latents"], None
+    else:
+        dist = vae.encode(x)
+        if cfg.decoder_only:  # the KL term is then a constant
+            dist = jax.lax.stop_gradient(dist)
+        z = objective.posterior_sample(keys, jnp.concatenate([dist.mean, dist.logvar], axis=-1))
+        kl = dist.kl()  # (B,)
     recon = vae.decode(objective.latent_noise(keys, z, cfg.latent_noise)).astype(jnp.float32)
     err = jnp.abs(recon - x) if cfg.reconstruction_loss == "l1" else (recon - x) ** 2
     if cfg.edge_weight:
         err = err * (1.0 + cfg.edge_weight * edge_strength(x))
-    kl = dist.kl()  # (B,)
-    loss = jnp.mean(jnp.sum(err, axis=(1, 2, 3)) + cfg.kl_weight * kl)
-    aux = {"l1_per_pixel": jnp.mean(jnp.abs(recon - x)), "kl_per_element": jnp.mean(kl) / np.prod(dist.mean.shape[1:])}
-    return loss, aux
+    aux = {"l1_per_pixel": jnp.mean(jnp.abs(recon - x))}
+    per_sample = jnp.sum(err, axis=(1, 2, 3))
+    if kl is not None:
+        per_sample = per_sample + cfg.kl_weight * kl
+        aux["kl_per_element"] = jnp.mean(kl) / np.prod(z.shape[1:])
+    return jnp.mean(per_sample), aux
 
 
 def edge_strength(x: jax.Array) -> jax.Array:
@@ -135,15 +150,35 @@ class VAETask:
                                         interpolation=cfg.image_interpolation_mode)
         self.constants = {}  # what the loss reads besides the batch: nothing
         self.fixed = None  # the validation images: the first batch's, reconstructed at each validation
+        self.cache = None  # --unet_latents: the pictures and what the UNet drew from them
+
+    def prepare_data(self, source: sources.Source, out: Path) -> dict:
+        """--unet_latents: draw the dataset once into out/cache/process-N (or reuse what is there), and return
+        the loader's hooks that read it (train/cache.py); without it, nothing to do."""
+        cfg = self.cfg
+        if not cfg.unet_latents:
+            return {}
+        key = cachelib.data_key(cfg, source, self.folder) | {"unet_latents": list(cfg.unet_latents)}
+        self.cache = cachelib.LatentCache.open_or_build(
+            out / "cache" / f"process-{jax.process_index()}", source, self.transform,
+            encode=unet_drawer(self.folder, self.module.config, cfg),
+            batch_size=cfg.train_batch_size * jax.local_device_count(), key=key, log=self.log, flag="--unet_latents")
+        return {"element": self.cache.element, "collate_fn": self.cache.collate}
+
+    def _host_arrays(self, host: dict) -> dict:
+        if self.cache is not None:
+            return self.cache.gather(host)
+        return {"pixels": host["pixels"], "index": np.asarray(host["index"])}
 
     def step_batch(self, host: dict) -> dict:
+        arrays = self._host_arrays(host)
         if self.fixed is None:
-            self.fixed = np.asarray(host["pixels"][: min(8, len(host["pixels"]))])
-        return meshlib.put_batch(self.mesh, {"pixels": host["pixels"], "index": np.asarray(host["index"])})
+            self.fixed = np.asarray(arrays["pixels"][: min(8, len(arrays["pixels"]))], np.float32)
+        return meshlib.put_batch(self.mesh, arrays)
 
     def batch_shapes(self, host: dict) -> dict:
-        return {"pixels": jax.ShapeDtypeStruct(host["pixels"].shape, jnp.float32),
-                "index": jax.ShapeDtypeStruct(np.shape(host["index"]), np.asarray(host["index"]).dtype)}
+        return {k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(np.asarray(v).dtype))
+                for k, v in self._host_arrays(host).items()}
 
     def loss_fn(self, graphdef):
         cfg = self.cfg
@@ -187,8 +222,35 @@ def write_vae_folder(out: Path, config: VAEConfig, arrays: dict[str, np.ndarray]
     io.atomic_write_json(out / "config.json", {"_class_name": "AutoencoderKL", **config.to_diffusers_config()})
 
 
+def unet_drawer(folder: Path, vae_config: VAEConfig, cfg: TrainConfig):
+    """--unet_latents: a host batch of the loader (pictures, captions) -> {"pixels", "unet_latents"}: the
+    pictures, and the final latents the pipeline in `folder` draws from each picture and its caption by img2img
+    (its own scheduler and guidance, 30 steps), in the decoder's units (before scaling_factor). Batch b (counted
+    from 0) is drawn at strength cfg.unet_latents[b % their number], with seed cfg.seed + b. The pipeline is
+    loaded at the first batch."""
+    from pipelines.pipeline import Pipeline
+    from pipelines.request import Request
+
+    pipe = None
+    batches = itertools.count()
+
+    def draw(host: dict) -> dict:
+        nonlocal pipe
+        pipe = pipe or Pipeline.load(folder, dtype="float32")
+        b = next(batches)
+        pixels = np.asarray(host["pixels"], np.float32)  # (B, H, W, 3) in [-1, 1]
+        strength = cfg.unet_latents[b % len(cfg.unet_latents)]
+        request = Request(prompts=[str(t) for t in host["text"]], image=pixels, height=pixels.shape[1],
+                          width=pixels.shape[2], seed=cfg.seed + b, strength=strength, output_latents=True)
+        latents = jnp.asarray(pipe(request))  # (B, h, w, C), the UNet's units
+        return {"pixels": jnp.asarray(pixels), "unet_latents": vae_config.from_latents(latents).astype(jnp.float32)}
+
+    return draw
+
+
 def open_data(cfg: TrainConfig):
-    columns = sources.Columns(images=(cfg.image_column,), text=None, names=("pixels",))
+    columns = sources.Columns(images=(cfg.image_column,), text=cfg.caption_column if cfg.unet_latents else None,
+                              names=("pixels",))
     return sources.open_source(cfg.dataset_name or cfg.train_data_dir, columns, max_samples=cfg.max_train_samples,
                             seed=cfg.seed, cache_dir=cfg.cache_dir)
 
