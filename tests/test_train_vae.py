@@ -23,12 +23,12 @@ from flax import nnx
 from safetensors.numpy import load_file
 
 from convert.sources import read_vae_source
+from pipelines.pipeline import Pipeline
+from pipelines.request import Request
 from sdx import weights
 from sdx.layers import Compute
 from sdx.vae import AutoencoderKL, VAEConfig
 from tests.processes import child_env
-from pipelines.pipeline import Pipeline
-from pipelines.request import Request
 from train import shapes, sources
 from train import vae as vaetask
 
