@@ -19,55 +19,63 @@ processes.configure_this_process()
 # -- the order of the test files under `pytest -n N --dist loadfile`
 
 # The files that take longest, longest first (seconds of one worker's time in a full `make test` on a 2-core
-# AMD EPYC VM, 2026-12-02, with tests/processes.py's XLA flags; keep the order when adding or speeding up
-# tests). xdist hands out whole files, by default those with the most tests first: these files, with few
-# tests each, came last, and the worker that drew them ran for minutes after the other had finished (1358 s
-# against 1043 s). Given first, the two workers end within seconds of each other; every other file follows
-# in xdist's usual order.
+# VM, the mean of two runs on 2026-12-07, with tests/processes.py's XLA flags; keep the order when adding or
+# speeding up tests, and list a file that takes 20 s or more). xdist hands out whole files, by default those
+# with the most tests first: these files, with few tests each, came last, and the worker that drew them ran for
+# minutes after the other had finished (1358 s against 1043 s). Given first, the two workers end within seconds
+# of each other; every other file follows in xdist's usual order.
 SLOW_FILES = (
-    "tests/test_docs.py",  # ~250 on this VM under load (2026-12-04): every page's commands, one process
-    "tests/test_sampler.py",  # ~260
-    "tests/test_research_pipelines.py",  # ~250 (FreeU, PAG, SAG against diffusers; measured on a busy VM)
-    "tests/test_train_e2e.py",  # ~240
-    "tests/test_unet.py",  # ~210
-    "tests/test_train_step.py",  # ~170
-    "tests/test_train_mesh.py",  # ~170
-    "tests/test_train_cli.py",  # ~150
-    "tests/test_default_models.py",  # ~140
-    "tests/test_pipelines.py",  # ~120
-    "tests/test_serve_api.py",  # ~95 (2026-12-06, a busy VM: a server, and the sampling command beside it)
-    "tests/test_inpaint.py",  # ~110
-    "tests/test_train_vae.py",  # ~110
-    "tests/test_t2i_adapter_pipelines.py",  # ~110
-    "tests/test_controlnet_pipelines.py",  # ~90
-    "tests/test_randomness.py",  # ~90
-    "tests/test_research_sampling.py",  # ~85
-    "tests/test_serve_progress.py",  # ~60 (one server, long requests watched)
-    "tests/test_research_default_model.py",  # ~70
-    "tests/test_ip_adapter_pipelines.py",  # ~80
-    "tests/test_edm_models.py",  # ~80 (Playground, CosXL, CosXL Edit against diffusers)
-    "tests/test_train_cache.py",  # ~80
-    "tests/test_fuzz_readers.py",  # ~80
-    "tests/test_train_lora.py",  # ~80
-    "tests/test_train_textual_inversion.py",  # ~70
-    "tests/test_train_t2i_adapter.py",  # ~60
-    "tests/test_vae.py",  # ~60
-    "tests/test_dreambooth.py",  # ~60
-    "tests/test_schedulers_parity.py",  # ~50
-    "tests/test_full_disk.py",  # ~50
-    "tests/test_ip_adapter.py",  # ~50
-    "tests/test_interventions.py",  # ~45
-    "tests/test_unet_option.py",  # ~45
-    "tests/test_t2i_adapter.py",  # ~40
-    "tests/test_train_controlnet.py",  # ~40
-    "tests/test_textual_inversion.py",  # ~40
-    "tests/test_nonfinite.py",  # ~30
-    "tests/test_serve_controlnet.py",  # ~30
-    "tests/test_train_objective.py",  # ~30
-    "tests/test_train_checkpoint.py",  # ~30
-    "tests/test_prompts_file.py",  # ~30
-    "tests/test_model_folder.py",  # ~30
-    "tests/test_sample_checkpoints.py",  # ~30
+    "tests/test_docs.py",  # ~321: every page's commands, one process
+    "tests/test_sampler.py",  # ~187
+    "tests/test_train_e2e.py",  # ~168
+    "tests/test_unet.py",  # ~133
+    "tests/test_default_models.py",  # ~132
+    "tests/test_train_step.py",  # ~125
+    "tests/test_train_mesh.py",  # ~107
+    "tests/test_train_cli.py",  # ~95
+    "tests/test_train_vae.py",  # ~90
+    "tests/test_pipelines.py",  # ~83
+    "tests/test_inpaint.py",  # ~77
+    "tests/test_serve_api.py",  # ~72 (a server, and the sampling command beside it)
+    "tests/test_randomness.py",  # ~71
+    "tests/test_controlnet_pipelines.py",  # ~69
+    "tests/test_serve_progress.py",  # ~68 (one server, long requests watched)
+    "tests/test_train_lora.py",  # ~64
+    "tests/test_serve_batching.py",  # ~56
+    "tests/test_edm_models.py",  # ~56 (Playground, CosXL, CosXL Edit against diffusers)
+    "tests/test_train_textual_inversion.py",  # ~53
+    "tests/test_fuzz_readers.py",  # ~51
+    "tests/test_research_default_model.py",  # ~50
+    "tests/test_plugin_compositions.py",  # ~50
+    "tests/test_t2i_adapter_pipelines.py",  # ~48
+    "tests/test_controlnet_union_pipelines.py",  # ~48
+    "tests/test_train_cache.py",  # ~46
+    "tests/test_ip_adapter_pipelines.py",  # ~45
+    "tests/test_schedulers_parity.py",  # ~43
+    "tests/test_research_pipelines.py",  # ~41 (FreeU, PAG, SAG against diffusers)
+    "tests/test_vae.py",  # ~39
+    "tests/test_dreambooth.py",  # ~38
+    "tests/test_conv.py",  # ~32
+    "tests/test_research_sampling.py",  # ~32
+    "tests/test_full_disk.py",  # ~31
+    "tests/test_train_vae_loss.py",  # ~29
+    "tests/test_ip_adapter.py",  # ~28
+    "tests/test_shapes.py",  # ~28
+    "tests/test_train_t2i_adapter.py",  # ~28
+    "tests/test_serve_engine.py",  # ~27
+    "tests/test_serve_controlnet.py",  # ~27
+    "tests/test_train_controlnet.py",  # ~27
+    "tests/test_nonfinite.py",  # ~26
+    "tests/test_serve_page.py",  # ~25
+    "tests/test_train_checkpoint.py",  # ~25
+    "tests/test_train_objective.py",  # ~24
+    "tests/test_attention.py",  # ~24
+    "tests/test_serve_edit.py",  # ~24
+    "tests/test_serve_webuiapi.py",  # ~23
+    "tests/test_controlnet.py",  # ~21
+    "tests/test_inpaint_overlay.py",  # ~21
+    "tests/test_prompts_file.py",  # ~20
+    "tests/test_sample_checkpoints.py",  # ~20
 )
 
 
