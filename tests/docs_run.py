@@ -10,8 +10,10 @@ with environment variables before it (`XLA_FLAGS=... python -m ...`), shell synt
 another program runs in a `bash` of its own. The first command or block that fails (an exception, a non-zero exit
 status) ends the run with its place in the page, status 1. Each command's and page's seconds are printed.
 
-`python -m sdx.sample` ends through `sdx.errors.exit_without_teardown` (`os._exit`, no teardown): here it exits
-through `SystemExit` instead, so that the next command runs.
+`python -m sdx.sample` ends through `sdx.errors.exit_without_teardown` (`os._exit`, no teardown): while a command
+runs here, `os._exit` raises `SystemExit` instead, so that the next command runs. (Replacing sdx's own function
+instead would count as a change to sdx's code, `pipelines.source_check`, and keep every program of the run out
+of sdx's disk cache of compiled programs, which a user's warm command reads.)
 """
 
 from __future__ import annotations
@@ -59,12 +61,17 @@ def in_process(env: dict, words: list[str], command: str) -> bool:
         not SHELL_SYNTAX & set(shlex.split(command, comments=True, posix=False))
 
 
+def _raise_exit(status: int):
+    raise SystemExit(status)
+
+
 def run_command(command: str) -> int:
     env, words = split(command)
     if not in_process(env, words, command):
         line = f"{sys.executable} {command.removeprefix('python ')}" if command.startswith("python ") else command
         return subprocess.run(["bash", "-c", line], env={**os.environ, **env}).returncode
-    saved = sys.argv
+    saved, exit_now = sys.argv, os._exit
+    os._exit = _raise_exit
     try:
         if words[1] == "-m":
             sys.argv = [words[2], *words[3:]]
@@ -76,7 +83,7 @@ def run_command(command: str) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0 if e.code is None else 1
     finally:
-        sys.argv = saved
+        sys.argv, os._exit = saved, exit_now
 
 
 def run_page(page: dict) -> bool:
@@ -109,9 +116,6 @@ def run_page(page: dict) -> bool:
 
 
 def main(path: str) -> int:
-    import sdx.errors
-
-    sdx.errors.exit_without_teardown = sys.exit  # see the module's docstring
     warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")  # a module run again with -m
     for page in json.loads(open(path).read()):
         start = time.perf_counter()

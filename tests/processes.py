@@ -1,22 +1,25 @@
 """The environment of the test processes: the pytest workers themselves (tests/conftest.py) and every
 `python` they start.
 
-- XLA compiles for speed of compiling (`TEST_XLA_FLAGS`, the pytest workers and every process they start):
-  LLVM optimisation level 0, and XLA:CPU's older fusion emitters instead of its MLIR ones. The suite runs
-  tiny models for a few steps, so XLA's CPU compile is most of its time. Level 0 alone compiles a tiny
-  training step about a quarter faster than level 1 (which compiles and runs like the default level 2)
-  but runs the MLIR emitters' loops unoptimised: a sampler at 74x90 pixels spent 40 s of a 5-step run in
-  reductions and softmaxes that take 3 s at level 1. With the older emitters, level 0 compiles faster
-  again and runs nearly as fast as level 1 (2-core AMD EPYC VM, one process per core as the workers run:
-  test_train_mesh.py's training step, compile and 2 steps, 37.5 s at level 1, 27.7 at level 0, 18.7 at
-  level 0 with the older emitters; a tiny_xl sampler call at 160², 5 steps, 6.2 s at level 1 and 8.3 s
-  with these flags; test_remat_gives_same_output_and_gradient 30.5 -> 12.5 s,
-  test_accumulation_equals_one_big_batch 45.0 -> 25.0 s, test_sd_text_to_image_takes_the_control_image_size
-  35.4 -> 20.4-27.8 s, seven of the slowest tests 279 -> 198-209 s; the whole suite: see docs/testing.md). The
-  flags are checked once per test run in a fresh `python` (`xla_flags`): an XLA that no longer knows one
-  aborts at start-up, so the suite then runs without the flags it refuses. The numbers a test compares
-  (with diffusers, between batch sizes, meshes or resumed runs) are computed under the same flags on
-  both sides, or compared with tolerances float32 rounding stays far inside.
+- XLA compiles for speed of compiling (`TEST_XLA_FLAGS`, the pytest workers and every process they start): LLVM
+  optimisation level 0, XLA:CPU's older fusion emitters instead of its MLIR ones, and no parallel code
+  generation. The suite runs tiny models for a few steps, so XLA's CPU compile is most of its time. Level 0
+  alone compiles a tiny training step about a quarter faster than level 1 (which compiles and runs like the
+  default level 2) but runs the MLIR emitters' loops unoptimised: a sampler at 74x90 pixels spent 40 s of a
+  5-step run in reductions and softmaxes that take 3 s at level 1. With the older emitters, level 0 compiles
+  faster again and runs nearly as fast as level 1 (2-core AMD EPYC VM, one process per core as the workers run:
+  test_train_mesh.py's training step, compile and 2 steps, 37.5 s at level 1, 27.7 at level 0, 18.7 at level 0
+  with the older emitters; a tiny_xl sampler call at 160², 5 steps, 6.2 s at level 1 and 8.3 s with these flags;
+  test_remat_gives_same_output_and_gradient 30.5 -> 12.5 s, test_accumulation_equals_one_big_batch 45.0 -> 25.0
+  s, test_sd_text_to_image_takes_the_control_image_size 35.4 -> 20.4-27.8 s, seven of the slowest tests 279 ->
+  198-209 s; the whole suite: see docs/testing.md). And XLA's code generation is not split into parts for a
+  thread pool (`--xla_cpu_parallel_codegen_split_count=1`: a worker's one core runs them one by one anyway): a
+  tiny UNet's loss and gradient compiled in 1.7-1.8 s against 2.1-2.3 s, and test_train_step.py with
+  test_pipelines.py took 204 / 238 s against 217 / 249 s (two runs side by side, each pinned to one core, the
+  cores swapped between them; benchmarks/LOG.md). The flags are checked once per test run in a fresh `python`
+  (`xla_flags`): an XLA that no longer knows one aborts at start-up, so the suite then runs without the flags it
+  refuses. The numbers a test compares (with diffusers, between batch sizes, meshes or resumed runs) are
+  computed under the same flags on both sides, or compared with tolerances float32 rounding stays far inside.
 - JAX's persistent compilation cache is on in every test process, in one folder per test run
   (tests/conftest.py's `shared_compilation_cache`): a program one test or process compiled, another reads
   back (in the workers JAX's cache alone, so every program is still traced). The workers' time in a full
@@ -36,7 +39,8 @@ import os
 import subprocess
 import sys
 
-TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+                  "--xla_cpu_parallel_codegen_split_count=1")
 _CHECKED = "SDX_TEST_XLA_FLAGS"  # the flags this XLA takes, once found, for every process of the test run
 
 
