@@ -16,6 +16,7 @@ from tests.serve_helpers import Server, pixels, wait_until
 
 ALICE, BOB = ("alice", "a-secret"), ("bob", "b-secret")
 LONG = {"prompt": "a red circle on a blue background", "steps": 150, "width": 128, "height": 128, "seed": 1}
+WATCHED_STEPS = 40  # the request the progress test watches to its end (see there)
 SHORT = {"prompt": "a green square on a white background", "steps": 4, "width": 64, "height": 64, "seed": 8}
 
 
@@ -67,11 +68,11 @@ def short_alone(server):
 
 
 def test_progress_moves_and_is_the_callers_own(server, short_alone):
-    # run to its end: 40 steps (one more program to compile, about 5 s, against 110 more steps of about 0.3 s),
-    # watched over its first half every 50 ms (the server shares this worker's core with the calls)
-    long = Call(server, {**LONG, "steps": 40, "force_task_id": "task(alice-1)"}, ALICE)
+    # run to its end: WATCHED_STEPS, not LONG's 150 (one more program to compile, about 5 s, against 110 more steps
+    # of about 0.3 s), watched over its first half every 50 ms (the server shares this worker's core with the calls)
+    long = Call(server, {**LONG, "steps": WATCHED_STEPS, "force_task_id": "task(alice-1)"}, ALICE)
     seen = [_running(server, ALICE)]
-    while long.is_alive() and len(seen) < 400 and seen[-1]["state"]["sampling_step"] < 20:
+    while long.is_alive() and len(seen) < 400 and seen[-1]["state"]["sampling_step"] < WATCHED_STEPS // 2:
         p = _progress(server, ALICE)
         if p["state"]["job_count"]:
             seen.append(p)
@@ -79,8 +80,8 @@ def test_progress_moves_and_is_the_callers_own(server, short_alone):
         assert _progress(server, BOB, id_task="task(alice-1)")["current_task"] is None
         time.sleep(0.05)
     steps = [p["state"]["sampling_step"] for p in seen]
-    assert seen[0]["current_task"] == "task(alice-1)" and seen[0]["state"]["sampling_steps"] == 40
-    assert steps == sorted(steps) and len(set(steps)) >= 3 and 0 < steps[0] < steps[-1] < 40
+    assert seen[0]["current_task"] == "task(alice-1)" and seen[0]["state"]["sampling_steps"] == WATCHED_STEPS
+    assert steps == sorted(steps) and len(set(steps)) >= 3 and 0 < steps[0] < steps[-1] < WATCHED_STEPS
     assert all(0 < p["progress"] < 1 and p["eta_relative"] >= 0 for p in seen)
     internal = server.post("/internal/progress", {"id_task": "task(alice-1)"}, auth=ALICE).json()
     assert internal["completed"] or internal["active"]
