@@ -290,3 +290,37 @@ def test_timestep_bias_weights_and_draws_are_diffusers(bias):
 def test_a_range_outside_the_schedule_is_refused():
     with pytest.raises(SdxError, match="must lie in"):
         objective.TimestepBias("range", 2.0, 0, 1200).weights(1000)
+
+
+@pytest.mark.parametrize("prediction_type", objective.PREDICTION_TYPES)
+@pytest.mark.parametrize("config", list(BETAS.values()), ids=list(BETAS))
+def test_predicted_x0_is_ddpm_step_s_predicted_original_sample(config, prediction_type):
+    """The clean latents a prediction implies (the pixel loss decodes them) equal DDPMScheduler.step's
+    pred_original_sample, timestep by timestep (clipping off), for every prediction type."""
+    sched = schedulers.from_name("ddpm", config)
+    ref = diffusers.DDPMScheduler.from_config({**config, "clip_sample": False, "prediction_type": prediction_type})
+    ref.alphas_cumprod = torch.from_numpy(np.array(sched.alphas_cumprod))  # the formula alone, as above
+    rng = np.random.default_rng(5)
+    noisy, pred = (rng.standard_normal((5, *SHAPE)).astype(np.float32) for _ in range(2))
+    t = np.array([0, 1, 250, 700, 998], np.int32)
+    ours = np.asarray(jax.jit(objective.predicted_x0, static_argnums=(0, 1))(
+        sched, prediction_type, jnp.asarray(noisy), jnp.asarray(pred), jnp.asarray(t)))
+    want = torch.cat([ref.step(nchw(pred[i:i + 1]), int(t[i]), nchw(noisy[i:i + 1]),
+                               generator=torch.Generator().manual_seed(0)).pred_original_sample for i in range(5)])
+    np.testing.assert_allclose(nchw(ours).numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_pixel_error_weighs_the_target_s_edges():
+    """Each sample's mean absolute error, every pixel's times 1 + w × the target's largest change over its 3x3
+    neighbourhood (half the channels' max - min, -inf padded), computed with torch's max pooling."""
+    rng = np.random.default_rng(6)
+    target = np.full((2, 6, 7, 3), -0.5, np.float32)
+    target[:, 2:4, 3:6] = rng.uniform(-1, 1, (2, 1, 1, 3))  # a block: edges around it, flat elsewhere
+    decoded = target + rng.normal(0, 0.2, target.shape).astype(np.float32)
+    for w in (0.0, 30.0):
+        ours = np.asarray(objective.pixel_error(jnp.asarray(decoded), jnp.asarray(target), w))
+        t = nchw(target)
+        edge = ((F.max_pool2d(t, 3, 1, 1) + F.max_pool2d(-t, 3, 1, 1)) / 2).amax(dim=1, keepdim=True)
+        want = ((nchw(decoded) - t).abs() * (1 + w * edge)).mean(dim=(1, 2, 3)).numpy()
+        np.testing.assert_allclose(ours, want, rtol=1e-6)
+    assert np.all(ours > np.asarray(objective.pixel_error(jnp.asarray(decoded), jnp.asarray(target), 0.0)))

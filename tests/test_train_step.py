@@ -25,6 +25,7 @@ from train import optimizer as optlib
 from train import step as steplib
 
 torch = pytest.importorskip("torch")
+F = torch.nn.functional
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
@@ -90,13 +91,16 @@ def _loss_config(case) -> denoise.DenoiseConfig:
     )
 
 
-def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, controlnet=None, dream=None) -> torch.Tensor:
+def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, controlnet=None, dream=None,
+                    pixel=None) -> torch.Tensor:
     """diffusers' training loss of `ref` (train_text_to_image.py / train_instruct_pix2pix.py) for `batch`, with
     the draws sdx's loss takes from `keys` (latent sample, noise, timesteps, dropout). conditioning: the
     dropped samples (bool numpy [B]) -> (context, pooled or None) in torch (default: the batch's, NULL where
     dropped); reduce(pred, target, scheduler, timesteps) -> the loss (default: `_mse` of the case);
     controlnet: a diffusers ControlNetModel steering `ref` from batch["control"]; dream: DREAM's detail
-    preservation (diffusers.training_utils.compute_dream_and_update_latents, as train_text_to_image.py)."""
+    preservation (diffusers.training_utils.compute_dream_and_update_latents, as train_text_to_image.py);
+    pixel(pred, noisy, latents, timesteps) -> a term added to the loss (noisy: the UNet's noisy latents, without
+    InstructPix2Pix's image latents)."""
     reduce = reduce or (lambda *a: _mse(*a, case["snr_gamma"], case["prediction_type"]))
     cfg = _loss_config(case)
     latents = objective.sample_latents(keys, jnp.asarray(batch["moments"]), VAE)
@@ -118,6 +122,7 @@ def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, cont
         pooled = torch.where(dt[:, None], torch.from_numpy(NULL["pooled"]), torch.from_numpy(batch["pooled"]))
     else:
         ctx, pooled = conditioning(np.array(drop_text))
+    noisy_latents = noisy
     if case["pix2pix"]:
         keep = 1.0 - torch.from_numpy(np.array(drop_image)).float()
         noisy = torch.cat([noisy, _nchw(batch["image_latents"]) * keep[:, None, None, None]], dim=1)
@@ -133,7 +138,8 @@ def _reference_loss(ref, case, batch, keys, conditioning=None, reduce=None, cont
                                controlnet_cond=_nchw(batch["control"]))
         residuals = {"down_block_additional_residuals": down, "mid_block_additional_residual": mid}
     pred = ref(noisy, tt, ctx, added_cond_kwargs=added, **residuals).sample
-    return reduce(pred, target, ts, tt)
+    loss = reduce(pred, target, ts, tt)
+    return loss if pixel is None else loss + pixel(pred, noisy_latents, x0, tt)
 
 
 def _mse(pred, target, ts, tt, snr_gamma, prediction_type) -> torch.Tensor:
@@ -427,6 +433,78 @@ def test_dream_loss_and_gradients_match_diffusers(detail):
     assert abs(plain - ref_loss.item()) > 1e-3 * abs(plain)  # DREAM changes the loss
     _check_loss(loss, ref_loss)
     _check_every_gradient(grads, ref)
+
+
+def _vaes():
+    """(diffusers' AutoencoderKL of `VAE`'s shape, every weight moved off its init; sdx's with the same weights)."""
+    from tests.test_vae import _diffusers_kwargs, _sdx_vae, _torch_vae
+
+    ref = _torch_vae(_diffusers_kwargs(1, block_out_channels=list(VAE.block_out_channels), layers_per_block=1,
+                                       norm_num_groups=VAE.norm_num_groups, latent_channels=VAE.latent_channels,
+                                       scaling_factor=VAE.scaling_factor), seed=4)
+    return ref, _sdx_vae(ref)
+
+
+def test_pixel_loss_and_gradients_match_diffusers():
+    """--pixel_loss_weight / --edge_weight / --pixel_loss_max_timestep: the clean latents each prediction implies
+    (DDPMScheduler.step's pred_original_sample, clipping off) and the sampled latents, both decoded by diffusers'
+    AutoencoderKL (frozen, its every weight moved off its init), their edge-weighted mean absolute error where
+    the timestep is below the limit, added at its weight to the MSE; against sdx's, with the VAE's state in the
+    step's constants: the same loss and every UNet gradient in float32. (Every prediction type's implied latents
+    are checked against DDPMScheduler.step in tests/test_train_objective.py.)"""
+    case = CASES[1]  # v-prediction, min-SNR, offset noise, input perturbation, half the captions dropped
+    weight, edge_weight, max_t = 0.3, 20.0, 600
+    vae_ref, vae = _vaes()
+    vae_ref.requires_grad_(False)
+    ref, model = _models(4)
+    batch = _batch(6, False)
+    vae_graphdef, vae_state = nnx.split(vae)
+    cfg = dataclasses.replace(_loss_config(case), pixel_loss=denoise.PixelLoss(weight, edge_weight, max_t, vae_graphdef))
+    graphdef, params = nnx.split(model)
+    keys = steplib.sample_keys(jax.random.key(3), jnp.int32(7), jnp.asarray(batch["index"]))
+    constants = {**jax.tree.map(jnp.asarray, NULL), "vae": vae_state}
+    (loss, aux), grads = jax.jit(jax.value_and_grad(denoise.loss_fn(graphdef, cfg), has_aux=True))(
+        params, jax.tree.map(jnp.asarray, batch), keys, constants)
+    step = diffusers.DDPMScheduler(**SCHED, prediction_type=case["prediction_type"], clip_sample=False)
+
+    def pixel(pred, noisy, latents, tt):
+        counted = tt < max_t
+        assert 0 < int(counted.sum()) < len(tt)  # both kinds of sample in the batch
+        implied = torch.cat([step.step(pred[i:i + 1], int(tt[i]), noisy[i:i + 1],
+                                       generator=torch.Generator().manual_seed(0)).pred_original_sample
+                             for i in range(len(tt))])
+        decode = lambda z: vae_ref.decode(z / VAE.scaling_factor).sample
+        target = decode(latents).detach()
+        edge = ((F.max_pool2d(target, 3, 1, 1) + F.max_pool2d(-target, 3, 1, 1)) / 2).amax(dim=1, keepdim=True)
+        err = ((decode(implied) - target).abs() * (1 + edge_weight * edge)).mean(dim=(1, 2, 3))
+        return weight * (err * counted.float()).mean()
+
+    ref_loss = _reference_loss(ref, case, batch, keys, pixel=pixel)
+    ref_loss.backward()
+    plain = _reference_loss(ref, case, batch, keys).item()
+    print("loss without the pixel term", plain)
+    assert ref_loss.item() - plain > 0.1 * plain  # the term is a large part of the loss
+    _check_loss(loss, ref_loss)
+    np.testing.assert_allclose(weight * float(aux["pixel_error"]), ref_loss.item() - plain, rtol=1e-4)
+    _check_every_gradient(grads, ref)
+
+
+def test_the_pixel_loss_is_finite_where_the_terminal_snr_is_zero():
+    """At zero terminal SNR an epsilon prediction implies no clean latents at the last timestep (1/√ᾱ = ∞);
+    above --pixel_loss_max_timestep the sample is not counted, and its infinities must not reach the gradient."""
+    vae_graphdef, vae_state = nnx.split(_vaes()[1])
+    sched = schedulers.from_name("ddpm", {**SCHED, "rescale_betas_zero_snr": True})
+    assert sched.alphas_cumprod[-1] == 0
+    cfg = dataclasses.replace(_loss_config(CASES[0]), scheduler=sched,
+                              pixel_loss=denoise.PixelLoss(1.0, 10.0, 400, vae_graphdef))
+    rng = np.random.default_rng(1)
+    latents, noisy, pred = (jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.float32) for _ in range(3))
+    t = jnp.array([999, 10], jnp.int32)
+    pixel_error = lambda p: denoise._pixel_error(cfg, vae_state, latents, noisy, p, t)
+    error, grad = jax.jit(jax.value_and_grad(pixel_error))(pred)
+    assert np.isfinite(float(error)) and float(error) > 0
+    grad = np.asarray(grad)
+    assert np.isfinite(grad).all() and not grad[0].any() and grad[1].any()
 
 
 def _shared_adapters(model: nnx.Module, layer_of, seed: int = 7) -> dict:

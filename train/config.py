@@ -167,6 +167,8 @@ class TrainConfig:
     timestep_bias_portion: float = 0.25
     dream_training: bool = False
     dream_detail_preservation: float = 1.0
+    pixel_loss_weight: float = 0.0  # text-to-image, InstructPix2Pix: the decoded prediction's pixel error's weight
+    pixel_loss_max_timestep: int = 400  # ... counted below this timestep
     # EMA
     use_ema: bool = False
     ema_decay: float = 0.9999
@@ -242,6 +244,9 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
                        description=f"Fine-tune with sdx ({name}); flags as diffusers' training scripts, with "
                                    "underscores or dashes.")
     opt = lambda g, name, help, **kw: _flag(g, name, default=d[name], help=help, **kw)
+    edge_weight = lambda g, when: opt(g, "edge_weight", "weigh each pixel's error by 1 + this times its edge strength "
+                                   "(the largest change over its 3x3 neighbourhood, 0 to 1): outlines and corners "
+                                   "count more" + when, type=float)
 
     g = p.add_argument_group("model")
     model_help = "what `python -m sdx.sample --model` takes: sdx folder, diffusers folder, single file or hub id"
@@ -383,14 +388,20 @@ def parser(task: str, lora: bool = False) -> argparse.ArgumentParser:
                   "(one more forward pass without gradient; epsilon-prediction models)")
             opt(g, "dream_detail_preservation", "DREAM's p: the correction is scaled by sqrt(1 - alpha_bar)^p",
                 type=float)
+        if task in ("text_to_image", "pix2pix"):
+            opt(g, "pixel_loss_weight", "add this times the mean absolute error of the picture the prediction "
+                "implies (its clean latents through the frozen VAE decoder) against the clean latents' picture, "
+                "at timesteps below --pixel_loss_max_timestep (one decoder pass more in each step)", type=float)
+            opt(g, "pixel_loss_max_timestep", "--pixel_loss_weight: the timesteps it counts at are below this one",
+                type=int)
+            edge_weight(g, " (with --pixel_loss_weight)")
     else:
         opt(g, "kl_weight", "weight of the KL term", type=float)
         opt(g, "reconstruction_loss", "l1 or l2", choices=("l1", "l2"))
         opt(g, "vae_config", "train from random weights: a preset name or a VAE config.json")
         _bool(g, "decoder_only", "train the decoder (and post_quant_conv) only: the encoder, and so every latent "
               "a model was trained on, stays exactly as it is")
-        opt(g, "edge_weight", "weigh each pixel's error by 1 + this times its edge strength (the largest change "
-            "over its 3x3 neighbourhood, 0 to 1): outlines and corners count more", type=float)
+        edge_weight(g, "")
         opt(g, "latent_noise", "decode the latents plus noise of standard deviation this times u ~ U[0, 1) (latent "
             "units before scaling_factor): the decoder learns to draw latents near the encoder's cleanly",
             type=float)
@@ -513,7 +524,7 @@ def check(c: TrainConfig) -> None:
     if c.learning_rate <= 0:
         raise SdxError(f"--learning_rate must be positive, got {c.learning_rate}")
     for name in ("noise_offset", "input_perturbation", "max_grad_norm", "adam_weight_decay", "kl_weight",
-                 "prior_loss_weight", "edge_weight", "latent_noise"):
+                 "prior_loss_weight", "edge_weight", "latent_noise", "pixel_loss_weight"):
         if getattr(c, name) < 0:
             raise SdxError(f"--{name} must not be negative, got {getattr(c, name)}")
     if c.adam_epsilon <= 0:
@@ -539,6 +550,8 @@ def check(c: TrainConfig) -> None:
                            f"{c.timestep_bias_end}: give 0 <= begin < end")
     if c.dream_training and c.dream_detail_preservation <= 0:
         raise SdxError(f"--dream_detail_preservation must be positive, got {c.dream_detail_preservation}")
+    if c.pixel_loss_weight and c.pixel_loss_max_timestep < 1:
+        raise SdxError(f"--pixel_loss_max_timestep must be at least 1, got {c.pixel_loss_max_timestep}")
     if c.snr_gamma is not None and c.snr_gamma <= 0:
         raise SdxError(f"--snr_gamma must be positive, got {c.snr_gamma}")
     if c.conditioning_dropout_prob is not None and not 0 <= c.conditioning_dropout_prob <= 1 / 3:

@@ -7,7 +7,8 @@ stores exactly these arrays, so a cached and an uncached run train on the same n
 
 The loss (`loss_fn`) then draws, from each sample's own key: the posterior sample, the noise (offset
 noise and input perturbation included), the timestep and the conditioning dropout, and returns the
-(min-SNR weighted) float32 MSE between the UNet's prediction and the target of `prediction_type`.
+(min-SNR weighted) float32 MSE between the UNet's prediction and the target of `prediction_type`; with
+--pixel_loss_weight, plus the weighted pixel error of the picture the prediction implies (`PixelLoss`).
 
 `--train_text_encoder` (LoRA adapters on the text encoders too): the encoders are trained, so they run
 inside the loss on the batch's token ids, and `encode_batch` passes the ids through instead. A dropped
@@ -30,6 +31,20 @@ from pipelines.family import Family
 from sdx.schedulers import Scheduler, training
 from sdx.vae import VAEConfig
 from train import objective
+
+
+@dataclasses.dataclass(frozen=True)
+class PixelLoss:
+    """--pixel_loss_weight: `weight` times the batch mean of each sample's pixel error (`objective.pixel_error`,
+    edges weighed by `edge_weight`) of its predicted clean latents (`objective.predicted_x0`) decoded by the
+    frozen VAE against its clean latents decoded, counted where the sample's timestep is below `max_timestep`
+    (above it the prediction implies little of the picture, and at zero terminal SNR nothing). `vae`: the VAE's
+    graphdef; its state is the step's constants' "vae"."""
+
+    weight: float
+    edge_weight: float
+    max_timestep: int
+    vae: nnx.GraphDef
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +74,7 @@ class DenoiseConfig:
     t2i_adapter: bool = False
     timestep_bias: objective.TimestepBias | None = None
     dream_detail_preservation: float | None = None
+    pixel_loss: PixelLoss | None = None
 
 
 def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None, batch: Mapping[str, jax.Array],
@@ -96,18 +112,19 @@ def encode_batch(family: Family, vae, encoders: Mapping[str, nnx.Module] | None,
 
 
 def loss_fn(graphdef, cfg: DenoiseConfig) -> functools.partial:
-    """(params, batch, keys, null) -> (loss, {}) for `train.step`; `null` (the step's constants): the null
-    text conditioning {"context": (77, D), "pooled": (P,)} the pipeline uses without a (negative) prompt. A
-    partial of module functions and values, so a compiled step is keyed by it (`pipelines.executables`).
+    """(params, batch, keys, constants) -> (loss, aux) for `train.step`; `constants` (the step's): the null
+    text conditioning {"context": (77, D), "pooled": (P,)} the pipeline uses without a (negative) prompt, and
+    with `cfg.pixel_loss` the VAE's state in "vae" (aux: its "pixel_error"; else aux is {}). A partial of
+    module functions and values, so a compiled step is keyed by it (`pipelines.executables`).
 
     graphdef: the UNet's; with `cfg.text_dtype`, an nnx.Dict's of "unet" and each of `family.encoders`,
-    and `null` is {"ids": (E, 77)}, the empty prompt's ids, unless the family uses zeros for no prompt;
+    and the null conditioning is {"ids": (E, 77)}, the empty prompt's ids, unless the family uses zeros for no prompt;
     with `cfg.controlnet`, an nnx.Dict's of "unet" and "controlnet"; with `cfg.t2i_adapter`, of "unet" and
     "t2i_adapter"."""
     return functools.partial(_loss, graphdef, cfg)
 
 
-def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
+def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, constants):
     sched = cfg.scheduler
     model = nnx.merge(graphdef, params)
     latents = objective.sample_latents(keys, batch["moments"], cfg.vae)
@@ -117,9 +134,9 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
     drop_text, drop_image = _dropout(cfg, keys)
     unet = model["unet"] if isinstance(model, nnx.Dict) else model
     if cfg.text_dtype is None:
-        cond = objective.mix_conditioning(drop_text, drop_image, batch, null)
+        cond = objective.mix_conditioning(drop_text, drop_image, batch, constants)
     else:
-        cond = _encoded(cfg, model, batch, drop_text, null)
+        cond = _encoded(cfg, model, batch, drop_text, constants)
     added = {"text_embeds": cond["pooled"], "time_ids": batch["time_ids"]} if cfg.family.xl else None
 
     def predict(x):  # the model's output for noisy latents x
@@ -144,7 +161,23 @@ def _loss(graphdef, cfg: DenoiseConfig, params, batch, keys, null):
         weights = objective.min_snr_weights(sched, t, cfg.snr_gamma, cfg.prediction_type)
     if cfg.prior_loss_weight is not None:
         weights = objective.prior_preservation_weights(batch["prior"], weights, cfg.prior_loss_weight)
-    return objective.loss(pred, target, weights), {}
+    total = objective.loss(pred, target, weights)
+    if cfg.pixel_loss is None:
+        return total, {}
+    pixel = _pixel_error(cfg, constants["vae"], latents, noisy, pred, t)
+    return total + cfg.pixel_loss.weight * pixel, {"pixel_error": pixel}
+
+
+def _pixel_error(cfg: DenoiseConfig, vae_state, latents, noisy, pred, t):
+    """f32: `PixelLoss`'s batch mean, before its weight."""
+    px = cfg.pixel_loss
+    vae = nnx.merge(px.vae, vae_state)
+    counted = t < px.max_timestep
+    safe_t = jnp.where(counted, t, 0)  # the others' x0 is never used; this keeps it (and its gradient) finite
+    x0 = objective.predicted_x0(cfg.scheduler, cfg.prediction_type, noisy, pred, safe_t)
+    decode = lambda z: vae.decode(cfg.vae.from_latents(z)).astype(jnp.float32)  # (B, H, W, 3)
+    err = objective.pixel_error(decode(x0), jax.lax.stop_gradient(decode(latents)), px.edge_weight)
+    return jnp.mean(jnp.where(counted, err, 0.0))
 
 
 def _dropout(cfg: DenoiseConfig, keys):

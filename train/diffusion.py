@@ -77,6 +77,7 @@ class DiffusionTask:
                 cfg.timestep_bias_strategy, cfg.timestep_bias_multiplier, cfg.timestep_bias_begin,
                 cfg.timestep_bias_end, cfg.timestep_bias_portion),
             dream_detail_preservation=cfg.dream_detail_preservation if cfg.dream_training else None,
+            pixel_loss=self._pixel_loss(sched.num_train_timesteps),
         )
         if cfg.dream_training and prediction_type != "epsilon":
             raise SdxError(f"--dream_training needs an epsilon-prediction model; this one predicts {prediction_type} "
@@ -93,6 +94,8 @@ class DiffusionTask:
         if text_in_step and not fam.force_zeros:  # "" through the trained encoders, in the loss
             ids = textlib.tokenize(fam, m.tokenizers, [[""]] * len(fam.encoders), chunks=None)
             self.constants = {"ids": np.concatenate([ids[e][0] for e in fam.encoders])}  # (E, 77)
+        if cfg.pixel_loss_weight:
+            self.constants = {**self.constants, "vae": nnx.state(m.vae)}
         frozen = {} if text_in_step else m.encoders
         graphdef, self._frozen = nnx.split(nnx.Dict({"vae": m.vae, **frozen}))
 
@@ -107,6 +110,16 @@ class DiffusionTask:
         self._encode = jax.jit(encode)
         self.cache: cachelib.LatentCache | None = None
         self._pipeline: Pipeline | None = None  # `pipeline`'s, kept
+
+    def _pixel_loss(self, num_train_timesteps: int) -> denoise.PixelLoss | None:
+        cfg = self.cfg
+        if not cfg.pixel_loss_weight:
+            return None
+        if cfg.pixel_loss_max_timestep > num_train_timesteps:
+            raise SdxError(f"--pixel_loss_max_timestep {cfg.pixel_loss_max_timestep} is beyond the model's "
+                           f"{num_train_timesteps} training timesteps")
+        return denoise.PixelLoss(cfg.pixel_loss_weight, cfg.edge_weight, cfg.pixel_loss_max_timestep,
+                                 nnx.graphdef(self.models.vae))
 
     def adapt(self, trained: dict[str, nnx.Module]) -> type[nnx.Variable]:
         """Make what trains, and return its variable type: with `--rank`, LoRA adapters on the trained

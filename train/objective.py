@@ -48,6 +48,9 @@ train_instruct_pix2pix(_sdxl).py, diffusers.training_utils):
   predicts ε̂ at x_t; δ = (ε − ε̂)·√(1−ᾱ)^p moves x_t by √(1−ᾱ)·δ and the target by δ (epsilon prediction
   only, as in diffusers). sdx's extra call also passes SDXL's added conditioning, which diffusers' SD-only
   script never needs.
+* the pixel loss (--pixel_loss_weight; sdx's own, no diffusers script has one): the clean latents a prediction
+  implies (`predicted_x0`, DDPMScheduler.step's pred_original_sample) and the sampled latents, both decoded by the
+  frozen VAE, compared by `pixel_error` (mean absolute error, the target's edges weighed by `edge_strength`).
 * VAE posterior sample (--cache_latents stores the moments): mean + exp(logvar / 2) · N(0, 1), logvar
   clipped to [-30, 20], then `VAEConfig.to_latents` ((z − shift) · scale).
 """
@@ -288,3 +291,33 @@ def loss(pred: jax.Array, target: jax.Array, weights: jax.Array | None = None) -
     """f32 scalar: mean over the batch of weights × per-sample MSE (unweighted: the plain MSE)."""
     mse = per_sample_mse(pred, target)
     return jnp.mean(mse if weights is None else weights.astype(jnp.float32) * mse)
+
+
+def predicted_x0(sched: Scheduler, prediction_type: str, noisy: jax.Array, pred: jax.Array, t: jax.Array) -> jax.Array:
+    """f32, latents' shape: the clean latents the model's output `pred` at x_t = `noisy` implies (epsilon:
+    (x_t − √(1−ᾱ) ε̂)/√ᾱ; v_prediction: √ᾱ x_t − √(1−ᾱ) v̂; sample: the output itself)."""
+    _check_prediction_type(prediction_type)
+    if prediction_type == "sample":
+        return pred.astype(jnp.float32)
+    a = jnp.asarray(sched.alphas_cumprod, jnp.float32)[t].reshape(-1, *(1,) * (noisy.ndim - 1))  # (B, 1, 1, 1)
+    x, p = noisy.astype(jnp.float32), pred.astype(jnp.float32)
+    if prediction_type == "epsilon":
+        return (x - jnp.sqrt(1 - a) * p) / jnp.sqrt(a)
+    return jnp.sqrt(a) * x - jnp.sqrt(1 - a) * p
+
+
+def pixel_error(decoded: jax.Array, target: jax.Array, edge_weight: float) -> jax.Array:
+    """f32[B]: each sample's mean absolute error over pixels of `decoded` against `target` ((B, H, W, C) in
+    [-1, 1]), each pixel's weighed by 1 + edge_weight times the target's edge strength there (`edge_strength`)."""
+    err = jnp.abs(decoded.astype(jnp.float32) - target.astype(jnp.float32))
+    if not _is_zero(edge_weight):
+        err = err * (1.0 + edge_weight * edge_strength(target))
+    return jnp.mean(err, axis=tuple(range(1, err.ndim)))
+
+
+def edge_strength(x: jax.Array) -> jax.Array:
+    """(B, H, W, 1) in [0, 1]: over each pixel's 3x3 neighbourhood (inside the image), the largest of the
+    channels' max - min, of pixels x (B, H, W, C) in [-1, 1]."""
+    window = lambda init, op: jax.lax.reduce_window(x, init, op, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+    spread = window(-jnp.inf, jax.lax.max) - window(jnp.inf, jax.lax.min)  # (B, H, W, C)
+    return jnp.max(spread, axis=-1, keepdims=True) / 2

@@ -99,21 +99,13 @@ def _vae_loss(graphdef, cfg: VAELoss, params, batch, keys, constants):
     recon = vae.decode(objective.latent_noise(keys, z, cfg.latent_noise)).astype(jnp.float32)
     err = jnp.abs(recon - x) if cfg.reconstruction_loss == "l1" else (recon - x) ** 2
     if cfg.edge_weight:
-        err = err * (1.0 + cfg.edge_weight * edge_strength(x))
+        err = err * (1.0 + cfg.edge_weight * objective.edge_strength(x))
     aux = {"l1_per_pixel": jnp.mean(jnp.abs(recon - x))}
     per_sample = jnp.sum(err, axis=(1, 2, 3))
     if kl is not None:
         per_sample = per_sample + cfg.kl_weight * kl
         aux["kl_per_element"] = jnp.mean(kl) / np.prod(z.shape[1:])
     return jnp.mean(per_sample), aux
-
-
-def edge_strength(x: jax.Array) -> jax.Array:
-    """(B, H, W, 1) in [0, 1]: over each pixel's 3x3 neighbourhood (inside the image), the largest of the
-    channels' max - min, of pixels x (B, H, W, C) in [-1, 1]."""
-    window = lambda init, op: jax.lax.reduce_window(x, init, op, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
-    spread = window(-jnp.inf, jax.lax.max) - window(jnp.inf, jax.lax.min)  # (B, H, W, C)
-    return jnp.max(spread, axis=-1, keepdims=True) / 2
 
 
 @jax.jit
