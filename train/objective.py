@@ -294,16 +294,13 @@ def loss(pred: jax.Array, target: jax.Array, weights: jax.Array | None = None) -
 
 
 def predicted_x0(sched: Scheduler, prediction_type: str, noisy: jax.Array, pred: jax.Array, t: jax.Array) -> jax.Array:
-    """f32, latents' shape: the clean latents the model's output `pred` at x_t = `noisy` implies (epsilon:
-    (x_t − √(1−ᾱ) ε̂)/√ᾱ; v_prediction: √ᾱ x_t − √(1−ᾱ) v̂; sample: the output itself)."""
+    """f32, latents' shape: the clean latents the model's output `pred` at x_t = `noisy` implies (a sample model's
+    output itself; the others' by `training.original_sample`)."""
     _check_prediction_type(prediction_type)
     if prediction_type == "sample":
         return pred.astype(jnp.float32)
-    a = jnp.asarray(sched.alphas_cumprod, jnp.float32)[t].reshape(-1, *(1,) * (noisy.ndim - 1))  # (B, 1, 1, 1)
-    x, p = noisy.astype(jnp.float32), pred.astype(jnp.float32)
-    if prediction_type == "epsilon":
-        return (x - jnp.sqrt(1 - a) * p) / jnp.sqrt(a)
-    return jnp.sqrt(a) * x - jnp.sqrt(1 - a) * p
+    return training.original_sample(sched, noisy.astype(jnp.float32), pred.astype(jnp.float32), t,
+                                    v_prediction=prediction_type == "v_prediction")
 
 
 def pixel_error(decoded: jax.Array, target: jax.Array, edge_weight: float) -> jax.Array:

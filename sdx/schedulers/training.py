@@ -32,6 +32,15 @@ def get_velocity(sched: Scheduler, x0: jax.Array, noise: jax.Array, timesteps: j
     return signal * noise - sigma * x0
 
 
+def original_sample(sched: Scheduler, x_t: jax.Array, output: jax.Array, timesteps: jax.Array,
+                    v_prediction: bool = False) -> jax.Array:
+    """The clean sample x0 that an epsilon model's `output` (or, with v_prediction, a v model's) at x_t implies:
+    (x_t - sqrt(1 - a_t) * eps) / sqrt(a_t), or sqrt(a_t) * x_t - sqrt(1 - a_t) * v (DDPMScheduler.step's
+    pred_original_sample)."""
+    signal, sigma = _scales(sched, timesteps, x_t.ndim)
+    return signal * x_t - sigma * output if v_prediction else (x_t - sigma * output) / signal
+
+
 def snr(sched: Scheduler, timesteps: jax.Array) -> jax.Array:
     """f32[batch]: signal-to-noise ratio a_t / (1 - a_t), for min-SNR loss weighting (Hang et al. 2023)."""
     signal, sigma = _scales(sched, timesteps, 1)
