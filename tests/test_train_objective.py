@@ -324,3 +324,14 @@ def test_pixel_error_weighs_the_target_s_edges():
         want = ((nchw(decoded) - t).abs() * (1 + w * edge)).mean(dim=(1, 2, 3)).numpy()
         np.testing.assert_allclose(ours, want, rtol=1e-6)
     assert np.all(ours > np.asarray(objective.pixel_error(jnp.asarray(decoded), jnp.asarray(target), 0.0)))
+
+
+def test_edge_strength_is_the_largest_change_around_a_pixel():
+    x = np.full((1, 5, 6, 3), -1.0, np.float32)
+    x[0, 2, 3] = [1.0, -1.0, 0.0]  # one bright pixel: red changes by 2, blue by 1
+    e = np.asarray(objective.edge_strength(jnp.asarray(x)))[0, :, :, 0]
+    want = np.zeros((5, 6))
+    want[1:4, 2:5] = 1.0  # its 3x3 neighbourhood sees the full change; the image's border adds none
+    np.testing.assert_array_equal(e, want)
+    flat = np.asarray(objective.edge_strength(jnp.full((1, 4, 4, 3), 0.3)))
+    np.testing.assert_array_equal(flat, 0.0)

@@ -15,7 +15,7 @@ from flax import nnx
 
 from tests.test_train_objective import sample_keys
 from tests.test_vae import CASES, _sdx_vae, _torch_vae
-from train import objective, vae as vaetask
+from train import vae as vaetask
 from train.objective import Stream
 from train.vae import VAELoss
 
@@ -107,16 +107,6 @@ def test_given_latents_are_decoded_against_the_pictures(models, cfg):
     encoded = vaetask.vae_loss(graphdef, cfg)(params, {"pixels": jnp.asarray(x)}, keys, {})[0]
     assert abs(float(encoded) - float(loss)) > 1e-2 * float(loss)  # the given latents, not the encoder's
 
-
-def test_edge_strength_is_the_largest_change_around_a_pixel():
-    x = np.full((1, 5, 6, 3), -1.0, np.float32)
-    x[0, 2, 3] = [1.0, -1.0, 0.0]  # one bright pixel: red changes by 2, blue by 1
-    e = np.asarray(objective.edge_strength(jnp.asarray(x)))[0, :, :, 0]
-    want = np.zeros((5, 6))
-    want[1:4, 2:5] = 1.0  # its 3x3 neighbourhood sees the full change; the image's border adds none
-    np.testing.assert_array_equal(e, want)
-    flat = np.asarray(objective.edge_strength(jnp.full((1, 4, 4, 3), 0.3)))
-    np.testing.assert_array_equal(flat, 0.0)
 
 
 def test_decoder_only_takes_no_gradient_into_the_encoder(models):
