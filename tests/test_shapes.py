@@ -662,14 +662,15 @@ def test_eval_cli_runs_the_pipelines(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(shapes_eval, "_load", load)
     report = tmp_path / "acc.json"
     argv = ["--model", "t2i", "--edit-model", "p2p", "--seeds", "2", "--steps", "3", "--batch-size", "16",
-            "--cache", str(tmp_path), "--json", str(report), "--quiet"]
+            "--guidance-rescale", "0.7", "--cache", str(tmp_path), "--json", str(report), "--quiet"]
     assert shapes_eval.main(argv) == 0
     t2i, p2p = pipes["t2i"].requests, pipes["p2p"].requests
     assert [r.seed for r in t2i] == [0, 1] and all(len(r.prompts) == 168 for r in t2i)
-    assert all((r.height, r.width, r.steps, r.guidance_scale, r.batch_size) == (48, 48, 3, 5.0, 16) for r in t2i)
+    assert all((r.height, r.width, r.steps, r.guidance_scale, r.guidance_rescale, r.batch_size) == (48, 48, 3, 5.0, 0.7, 16)
+               for r in t2i)
     assert [r.seed for r in p2p] == [0, 1] and all(len(r.prompts) == 504 for r in p2p)
     assert all(r.image.shape == (504, 48, 48, 3) and r.image.dtype == np.float32 and r.image_guidance_scale == 1.5
-               for r in p2p)
+               and r.guidance_rescale == 0.7 for r in p2p)
     assert -1.0 <= p2p[0].image.min() and p2p[0].image.max() <= 1.0
     printed = capsys.readouterr().out
     lines = printed.splitlines()

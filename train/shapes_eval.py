@@ -399,6 +399,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30, help="inference steps (default 30)")
     p.add_argument("--guidance-scale", type=float,
                    help="classifier-free guidance (default: the model's own, else 7.5, SDXL 5.0)")
+    p.add_argument("--guidance-rescale", type=float, default=0.0,
+                   help="rescale of the guided prediction, as `python -m sdx.sample --guidance-rescale` (default 0)")
     p.add_argument("--image-guidance-scale", type=float, default=1.5, help="InstructPix2Pix image guidance (1.5)")
     p.add_argument("--size", type=int, help="image side in pixels (default: the model's training size)")
     p.add_argument("--scheduler", help="a `python -m sdx.sample --scheduler` name (default: the model's own)")
@@ -503,7 +505,8 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
 
             def generate(prompts, image_seeds):
                 request = lambda idx, s: Request(prompts=[prompts[i] for i in idx], height=size, width=size,
-                                                 steps=args.steps, seed=s, guidance_scale=cfg, batch_size=args.batch_size)
+                                                 steps=args.steps, seed=s, guidance_scale=cfg,
+                                                 guidance_rescale=args.guidance_rescale, batch_size=args.batch_size)
                 return _by_seed(pipe, request, len(prompts), image_seeds, size, bar)
 
             text = evaluate_text_to_image(generate, seeds=seeds)
@@ -517,7 +520,8 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
                 pixels = _pixels(images)
                 request = lambda idx, s: Request(
                     prompts=[instructions[i] for i in idx], image=pixels[idx], height=size, width=size,
-                    steps=args.steps, seed=s, guidance_scale=cfg, image_guidance_scale=args.image_guidance_scale,
+                    steps=args.steps, seed=s, guidance_scale=cfg, guidance_rescale=args.guidance_rescale,
+                    image_guidance_scale=args.image_guidance_scale,
                     batch_size=args.batch_size)
                 return _by_seed(pipe, request, len(instructions), image_seeds, size, bar)
 
