@@ -39,7 +39,6 @@ SLOW_FILES = (
     "tests/test_serve_api.py",  # ~72 (a server, and the sampling command beside it)
     "tests/test_randomness.py",  # ~71
     "tests/test_controlnet_pipelines.py",  # ~69
-    "tests/test_serve_progress.py",  # ~68 (one server, long requests watched)
     "tests/test_train_lora.py",  # ~64
     "tests/test_serve_batching.py",  # ~56
     "tests/test_edm_models.py",  # ~56 (Playground, CosXL, CosXL Edit against diffusers)
@@ -49,6 +48,7 @@ SLOW_FILES = (
     "tests/test_plugin_compositions.py",  # ~50
     "tests/test_t2i_adapter_pipelines.py",  # ~48
     "tests/test_controlnet_union_pipelines.py",  # ~48
+    "tests/test_serve_progress.py",  # ~47 (one server, long requests watched; 2026-12-07, evening)
     "tests/test_train_cache.py",  # ~46
     "tests/test_ip_adapter_pipelines.py",  # ~45
     "tests/test_schedulers_parity.py",  # ~43
