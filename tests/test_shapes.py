@@ -612,6 +612,7 @@ def test_shapes_cli_errors(tmp_path, capsys, argv, message):
 @pytest.mark.parametrize("argv, message", [
     ([], "give --model, --edit-model, --vae-model or several of them"),
     (["--model", "m", "--seeds", "0"], "--seeds 0"),
+    (["--model", "m", "--first-seed", "-1"], "--first-seed -1"),
     (["--model", "m", "--steps", "0"], "--steps 0"),
     (["--model", "m", "--size", "4"], "--size 4"),
     (["--model", "m", "--batch-size", "0"], "--batch-size 0"),
@@ -662,13 +663,13 @@ def test_eval_cli_runs_the_pipelines(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(shapes_eval, "_load", load)
     report = tmp_path / "acc.json"
     argv = ["--model", "t2i", "--edit-model", "p2p", "--seeds", "2", "--steps", "3", "--batch-size", "16",
-            "--guidance-rescale", "0.7", "--cache", str(tmp_path), "--json", str(report), "--quiet"]
+            "--guidance-rescale", "0.7", "--first-seed", "3", "--cache", str(tmp_path), "--json", str(report), "--quiet"]
     assert shapes_eval.main(argv) == 0
     t2i, p2p = pipes["t2i"].requests, pipes["p2p"].requests
-    assert [r.seed for r in t2i] == [0, 1] and all(len(r.prompts) == 168 for r in t2i)
+    assert [r.seed for r in t2i] == [3, 4] and all(len(r.prompts) == 168 for r in t2i)
     assert all((r.height, r.width, r.steps, r.guidance_scale, r.guidance_rescale, r.batch_size) == (48, 48, 3, 5.0, 0.7, 16)
                for r in t2i)
-    assert [r.seed for r in p2p] == [0, 1] and all(len(r.prompts) == 504 for r in p2p)
+    assert [r.seed for r in p2p] == [3, 4] and all(len(r.prompts) == 504 for r in p2p)
     assert all(r.image.shape == (504, 48, 48, 3) and r.image.dtype == np.float32 and r.image_guidance_scale == 1.5
                and r.guidance_rescale == 0.7 for r in p2p)
     assert -1.0 <= p2p[0].image.min() and p2p[0].image.max() <= 1.0

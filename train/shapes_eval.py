@@ -396,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-model", help="a model whose VAE to measure: the world's pictures encoded (posterior "
                                        "mode), decoded and read back")
     p.add_argument("--seeds", type=int, default=2, help="seeds 0..N-1 for every prompt and edit (default 2)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="start the seeds here: --first-seed 2 --seeds 2 measures seeds 2 and 3, the same pictures "
+                        "as in a --seeds 4 run (default 0)")
     p.add_argument("--steps", type=int, default=30, help="inference steps (default 30)")
     p.add_argument("--guidance-scale", type=float,
                    help="classifier-free guidance (default: the model's own, else 7.5, SDXL 5.0)")
@@ -417,6 +420,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("give --model, --edit-model, --vae-model or several of them")
     if args.seeds < 1:
         p.error(f"--seeds {args.seeds} must be at least 1")
+    if args.first_seed < 0:
+        p.error(f"--first-seed {args.first_seed} must be at least 0")
     if args.steps < 1:
         p.error(f"--steps {args.steps} must be at least 1")
     if args.size is not None and args.size < 8:
@@ -495,7 +500,7 @@ def run(args: argparse.Namespace) -> tuple[Report | None, dict[str, Report] | No
         from tqdm import tqdm
 
         bar = tqdm(desc="denoising", unit="step", total=0, file=sys.stderr)
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     text = edits = vae_report = None
     try:
         if args.model:
