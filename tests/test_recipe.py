@@ -49,10 +49,10 @@ def test_every_command_of_the_recipe_parses_in_order(tmp_path):
     commands = dry_run(tmp_path, work)
     assert [c[1] for c in commands] == [
         "train.shapes", "train.shapes", "train.vae", "train.vae", "train.init", "train.text_to_image",
-        "train.text_to_image", "train.pix2pix", "train.pix2pix", "train.vae", "convert", "convert.default_models",
-        "train.shapes_eval"]
+        "train.text_to_image", "train.pix2pix", "train.pix2pix", "train.vae", "convert", "train.pix2pix",
+        "convert.default_models", "train.shapes_eval"]
     parsed = [parse(c) for c in commands]
-    vae_1, vae, first, second, edit, edit_2, decoder, swap, pack = parsed[2], parsed[3], *parsed[5:12]
+    vae_1, vae, first, second, edit, edit_2, decoder, swap, edit_4, pack = parsed[2], parsed[3], *parsed[5:13]
     # the VAE's second part resumes from the first part's last checkpoint and steps its rate down after it
     assert vae.resume_from_checkpoint == f"{work}/vae-1/checkpoints/{vae_1.max_train_steps}"
     assert vae.max_train_steps == vae_1.max_train_steps + 1500 and vae.lr_step_rules.startswith("1:5000,0.3:5500,")
@@ -66,17 +66,24 @@ def test_every_command_of_the_recipe_parses_in_order(tmp_path):
     assert (edit_2.pretrained_model_name_or_path, edit_2.output_dir) == (f"{work}/edit", f"{work}/edit-2")
     assert edit_2.learning_rate < edit.learning_rate and edit_2.seed != edit.seed
     assert edit.snr_gamma is None and edit_2.snr_gamma is None
-    # the decoder alone is fine-tuned on the second text-to-image pass, and the edit model takes that VAE; pack
-    # takes both
+    # the decoder alone is fine-tuned on the second text-to-image pass, and the edit model takes that VAE
     assert (decoder.pretrained_model_name_or_path, decoder.output_dir) == (f"{work}/t2i-2", f"{work}/t2i-3")
     assert decoder.decoder_only and decoder.edge_weight > 0 and decoder.latent_noise > 0
     assert (swap.src, swap.out, swap.vae) == (f"{work}/edit-2", f"{work}/edit-3", f"{work}/t2i-3")
-    assert (pack.command, pack.t2i, pack.edit) == ("pack", f"{work}/t2i-3", f"{work}/edit-3")
+    # the edit model's last pass starts from the one with that VAE, whose decoder its pixel loss draws through; pack
+    # takes it and the decoder's text-to-image model
+    assert (edit_4.pretrained_model_name_or_path, edit_4.output_dir) == (f"{work}/edit-3", f"{work}/edit-4")
+    assert (edit_4.pixel_loss_weight, edit_4.edge_weight, edit_4.pixel_loss_max_timestep) == (0.2, 30.0, 400)
+    assert edit_4.learning_rate < edit_2.learning_rate and edit_4.seed not in (edit.seed, edit_2.seed)
+    assert edit_4.snr_gamma is None and edit_4.lr_warmup_steps == 50 and edit_2.lr_warmup_steps == 100
+    assert edit.pixel_loss_weight == edit_2.pixel_loss_weight == 0
+    assert (pack.command, pack.t2i, pack.edit) == ("pack", f"{work}/t2i-3", f"{work}/edit-4")
     assert (pack.guidance_scale, pack.edit_guidance_scale) == (2.0, 2.0)
-    assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit, edit_2, decoder))
+    assert all(p.resume_from_checkpoint is None for p in (vae_1, first, second, edit, edit_2, decoder, edit_4))
 
 
-AFTER_T2I = ["train.pix2pix", "train.pix2pix", "train.vae", "convert", "convert.default_models", "train.shapes_eval"]
+AFTER_T2I = ["train.pix2pix", "train.pix2pix", "train.vae", "convert", "train.pix2pix", "convert.default_models",
+             "train.shapes_eval"]
 # where a run stopped: (what the work folder holds, finished stages' files and the interrupted stage's checkpoints;
 # the commands a rerun gives; the interrupted stage's output folder and its steps with VAE_STEPS=300 and
 # T2I_MORE_STEPS=300)
@@ -89,7 +96,12 @@ INTERRUPTIONS = {
                                       "t2i-2", 300),
     "the VAE decoder": (["captions/", "edits/", "vae-1/config.json", "vae/config.json", "init/sdx.json", "t2i/sdx.json",
                          "t2i-2/sdx.json", "edit/sdx.json", "edit-2/sdx.json", "t2i-3/checkpoints/"],
-                        ["train.vae", "convert", "convert.default_models", "train.shapes_eval"], "t2i-3", 1000),
+                        ["train.vae", "convert", "train.pix2pix", "convert.default_models", "train.shapes_eval"],
+                        "t2i-3", 1000),
+    "the pixel-loss edit pass": (["captions/", "edits/", "vae-1/config.json", "vae/config.json", "init/sdx.json",
+                                  "t2i/sdx.json", "t2i-2/sdx.json", "edit/sdx.json", "edit-2/sdx.json",
+                                  "t2i-3/sdx.json", "edit-3/sdx.json", "edit-4/checkpoints/"],
+                                 ["train.pix2pix", "convert.default_models", "train.shapes_eval"], "edit-4", 1500),
 }
 
 

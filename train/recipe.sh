@@ -7,8 +7,8 @@
 #
 # Every training command checkpoints as it goes; run the recipe again after an interruption and each
 # finished stage is skipped, an unfinished one resumes from its last checkpoint. The step counts are
-# environment variables (VAE_STEPS, T2I_STEPS, T2I_MORE_STEPS, EDIT_STEPS, EDIT_MORE_STEPS, DECODER_STEPS) for
-# shorter trial runs.
+# environment variables (VAE_STEPS, T2I_STEPS, T2I_MORE_STEPS, EDIT_STEPS, EDIT_MORE_STEPS, DECODER_STEPS,
+# EDIT_PIXEL_STEPS) for shorter trial runs.
 set -euo pipefail
 
 WORK=${1:-work/default-models}
@@ -19,6 +19,7 @@ T2I_MORE_STEPS=${T2I_MORE_STEPS:-5000}
 EDIT_STEPS=${EDIT_STEPS:-5000}
 EDIT_MORE_STEPS=${EDIT_MORE_STEPS:-2500}
 DECODER_STEPS=${DECODER_STEPS:-1000}
+EDIT_PIXEL_STEPS=${EDIT_PIXEL_STEPS:-1500}
 mkdir -p "$WORK"
 start=$(date +%s)
 stage() { echo "== $1 ($(( $(date +%s) - start )) s so far)" >&2; }
@@ -66,24 +67,25 @@ stage "text-to-image, second pass"
 # the edit model below is fine-tuned from the first, as the shipped one was.
 text_to_image "$WORK/t2i" "$WORK/t2i-2" "$T2I_MORE_STEPS" 5e-4 100 1
 
-# instruct_pix2pix FROM OUT STEPS RATE SEED: an InstructPix2Pix pass on the edits, checkpointed and resumable. No
+# instruct_pix2pix FROM OUT STEPS RATE WARMUP SEED [FLAG...]: an InstructPix2Pix pass on the edits, checkpointed and
+# resumable, with any further flags given. No
 # --snr_gamma here: under zero terminal SNR it gives the high-noise steps almost no weight, and those are where the
 # model learns to copy the input picture's layout (docs/default-models.md, "What is left").
 instruct_pix2pix() {
     [ -f "$2/sdx.json" ] || $PY -m train.pix2pix --pretrained_model_name_or_path "$1" \
         --dataset_name "$WORK/edits" --max_train_samples 16000 --resolution 64 --cache_latents \
         --train_batch_size 16 --max_train_steps "$3" --learning_rate "$4" --lr_scheduler cosine \
-        --lr_warmup_steps 100 --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
-        --checkpointing_steps 250 --checkpoints_total_limit 2 --seed "$5" --output_dir "$2" $(resume "$2")
+        --lr_warmup_steps "$5" --conditioning_dropout_prob 0.05 --use_ema --ema_use_warmup --ema_power 0.75 \
+        --checkpointing_steps 250 --checkpoints_total_limit 2 --seed "$6" --output_dir "$2" $(resume "$2") "${@:7}"
 }
 
 stage "InstructPix2Pix"
-instruct_pix2pix "$WORK/t2i" "$WORK/edit" "$EDIT_STEPS" 1e-3 0
+instruct_pix2pix "$WORK/t2i" "$WORK/edit" "$EDIT_STEPS" 1e-3 100 0
 
 stage "InstructPix2Pix, second pass"
 # From the first, EDIT_MORE_STEPS more at 0.3 of its rate with another seed, as the text-to-image model's second
-# pass: its pictures come out closer to the world's shapes. `default-edit` ships this pass.
-instruct_pix2pix "$WORK/edit" "$WORK/edit-2" "$EDIT_MORE_STEPS" 3e-4 1
+# pass: its pictures come out closer to the world's shapes.
+instruct_pix2pix "$WORK/edit" "$WORK/edit-2" "$EDIT_MORE_STEPS" 3e-4 100 1
 
 stage "VAE decoder"
 # The decoder alone, fine-tuned on the second text-to-image pass's VAE: the encoder, and so every latent both UNets
@@ -97,10 +99,18 @@ stage "VAE decoder"
     $(resume "$WORK/t2i-3")
 [ -f "$WORK/edit-3/sdx.json" ] || $PY -m convert "$WORK/edit-2" "$WORK/edit-3" --vae "$WORK/t2i-3"
 
+stage "InstructPix2Pix, pixel-loss pass"
+# From the edit model with the new decoder, EDIT_PIXEL_STEPS more at lr 1.5e-4 with a pixel loss: below timestep
+# 400 the picture each prediction implies, decoded by that decoder, is held to the data's, outlines and corners
+# weighed up to 31 times a flat pixel. Without it the same pass traded the shape edits for the others; with it
+# every kind of edit gains (docs/default-models.md). `default-edit` ships this pass.
+instruct_pix2pix "$WORK/edit-3" "$WORK/edit-4" "$EDIT_PIXEL_STEPS" 1.5e-4 50 2 \
+    --pixel_loss_weight 0.2 --edge_weight 30 --pixel_loss_max_timestep 400
+
 stage "pack"
 # Both models name guidance 2.0 as their own: the text-to-image model's circles are roundest there, and at 2.0
 # rather than SDXL's 5.0 far more edits keep their shapes strictly (docs/default-models.md, "How well they work").
-$PY -m convert.default_models pack "$WORK/t2i-3" "$WORK/edit-3" --guidance-scale 2.0 --edit-guidance-scale 2.0
+$PY -m convert.default_models pack "$WORK/t2i-3" "$WORK/edit-4" --guidance-scale 2.0 --edit-guidance-scale 2.0
 
 stage "evaluate"
 $PY -m train.shapes_eval --model default --edit-model default-edit --vae-model default --seeds 2 --json "$WORK/eval.json"
