@@ -68,9 +68,9 @@ stage "text-to-image, second pass"
 text_to_image "$WORK/t2i" "$WORK/t2i-2" "$T2I_MORE_STEPS" 5e-4 100 1
 
 # instruct_pix2pix FROM OUT STEPS RATE WARMUP SEED [FLAG...]: an InstructPix2Pix pass on the edits, checkpointed and
-# resumable, with any further flags given. No
-# --snr_gamma here: under zero terminal SNR it gives the high-noise steps almost no weight, and those are where the
-# model learns to copy the input picture's layout (docs/default-models.md, "What is left").
+# resumable, with any further flags given. No --snr_gamma here: under zero terminal SNR it gives the high-noise steps
+# almost no weight, and those are where the model learns to copy the input picture's layout (docs/default-models.md,
+# "What is left").
 instruct_pix2pix() {
     [ -f "$2/sdx.json" ] || $PY -m train.pix2pix --pretrained_model_name_or_path "$1" \
         --dataset_name "$WORK/edits" --max_train_samples 16000 --resolution 64 --cache_latents \
