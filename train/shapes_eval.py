@@ -395,7 +395,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--edit-model", help="InstructPix2Pix model to measure on the three edit kinds")
     p.add_argument("--vae-model", help="a model whose VAE to measure: the world's pictures encoded (posterior "
                                        "mode), decoded and read back")
-    p.add_argument("--seeds", type=int, default=2, help="how many seeds for every prompt and edit, from --first-seed on (default 2)")
+    p.add_argument("--seeds", type=int, default=2,
+                   help="how many seeds for every prompt and edit, from --first-seed on (default 2)")
     p.add_argument("--first-seed", type=int, default=0,
                    help="start the seeds here: --first-seed 2 --seeds 2 measures seeds 2 and 3, the same pictures "
                         "as in a --seeds 4 run (default 0)")
